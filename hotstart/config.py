@@ -197,3 +197,35 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         torch_dtype=dtype,
         extra={k: raw[k] for k in ("model_type",) if k in raw},
     )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the engine process needs to start; sent from the API process as soon as it is known."""
+
+    model_path: str
+    """Model folder (config.json + safetensors)."""
+    weight_files: tuple[str, ...] = ()
+    """Weight files in load order (empty: discover in the engine)."""
+    device: str = "auto"
+    """auto | cpu | cuda | cuda:N."""
+    dtype: str = "auto"
+    """auto (float32 on CPU, the checkpoint's dtype on CUDA) | bfloat16 | float16 | float32."""
+    max_model_len: int | None = None
+    """Longest prompt + completion in tokens (default: the model's max_position_embeddings)."""
+    max_num_seqs: int = 64
+    """Most sequences decoded together in one step."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (prefill chunks + decodes)."""
+    block_size: int = 16
+    """Tokens per KV-cache block."""
+    kv_cache_memory: int | None = None
+    """Bytes for the KV cache (default: CPU min(4 GiB, enough for max_num_seqs x max_model_len), CUDA from gpu_memory_utilization)."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of GPU memory the engine may use (weights + KV cache)."""
+    seed: int = 0
+    """Seed of the sampler's default generator."""
+    cursor_path: str | None = None
+    """LoadCursor file shared with the API process's prefetcher (None: no coordination)."""
+    t0: float = 0.0
+    """Launch time (time.time()) for the startup timeline."""

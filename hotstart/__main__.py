@@ -1,0 +1,5 @@
+import sys
+
+from hotstart.cli import main
+
+sys.exit(main())

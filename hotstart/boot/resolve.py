@@ -1,0 +1,224 @@
+"""Resolve `hotstart serve MODEL` to a folder on disk, torch-free, offline, in milliseconds.
+
+MODEL is one of: nothing (the embedded default model), a local folder, or a hub id ("org/name" or
+"name") already present in the Hugging Face hub cache or the ModelScope cache. hotstart never
+downloads: a hub id that is in neither cache is an error that says where it looked.
+
+The HF cache lookup is written here rather than taken from huggingface_hub, because importing
+`huggingface_hub.file_download` costs ~140-160 ms (it pulls its HTTP stack), measured with
+`python -X importtime`, and this runs at t=0 of every start. It follows huggingface_hub's documented
+layout: {cache}/models--{org}--{name}/refs/{revision} holds a commit hash, the files lie in
+{cache}/models--{org}--{name}/snapshots/{commit}/, and a revision may be a commit hash directly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from hotstart.errors import HotstartError, ModelNotFoundError, WeightsError
+
+SIDECAR_NAMES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+    "chat_template.jinja", "special_tokens_map.json", "model.safetensors.index.json",
+)
+# huggingface_hub's repo-id alphabet (and, below, its 96-character limit): nothing else can be cached.
+_HUB_PART = re.compile(r"^[A-Za-z0-9_.\-]+$")
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """Where a model lives and how it is named by default."""
+
+    path: Path  # folder holding config.json and the weights
+    source: str  # "local" | "hf-cache" | "modelscope" | "default"
+    name: str  # default served model name: the hub id, the local folder's basename, or the default's name
+
+
+def resolve_model(spec: str | None, revision: str | None = None,
+                  convert_default: bool = True) -> ResolvedModel:
+    """Resolve a model spec without touching the network or importing torch.
+
+    None -> the embedded default model (converted once if `convert_default`, else only its folder).
+    An existing folder -> that folder (it must hold config.json). A path-looking spec that does not
+    exist -> error. Otherwise a hub id, looked up in the HF cache at `revision` (default "main"),
+    then in the ModelScope cache (which keeps one unnamed revision, so only for main/master).
+    Raises ModelNotFoundError (a HotstartError) with a one-line message.
+    """
+    if spec is None:
+        if revision is not None:
+            raise HotstartError("--revision applies to hub model ids, not to the default model")
+        # Imported here: it pulls subprocess/tempfile (~8 ms) that a hub or local start never needs.
+        from hotstart.boot import default_model  # noqa: PLC0415 - lazy, see above
+
+        path = default_model.ensure_default_model() if convert_default else default_model.default_model_dir()
+        return ResolvedModel(path=path, source="default", name=default_model.DEFAULT_MODEL_NAME)
+    if not spec.strip():
+        raise ModelNotFoundError("model name is empty")
+
+    try:
+        local = Path(spec).expanduser()
+    except RuntimeError:  # "~someone" with no such user
+        raise ModelNotFoundError(f"model '{spec}': no such folder") from None
+    # os.path.isdir/exists swallow every OSError (e.g. a name too long), unlike Path's on Python < 3.12.
+    if os.path.isdir(local):
+        if revision is not None:
+            raise HotstartError(f"model '{spec}': --revision applies to hub model ids, not to local folders")
+        local = local.resolve()
+        if not (local / "config.json").is_file():
+            raise ModelNotFoundError(f"model '{spec}': folder {local} has no config.json")
+        return ResolvedModel(path=local, source="local", name=local.name)
+    if os.path.exists(local):
+        raise ModelNotFoundError(f"model '{spec}': {local} is a file; give the folder holding config.json")
+    if _looks_like_path(spec):
+        raise ModelNotFoundError(f"model '{spec}': no such folder")
+    return _resolve_hub_id(spec, revision)
+
+
+def _looks_like_path(spec: str) -> bool:
+    # A hub id has at most one "/" (org/name); anything more, or a native separator, is a path.
+    native_sep = os.sep != "/" and os.sep in spec
+    return spec.startswith(("/", ".", "~")) or spec.count("/") > 1 or native_sep
+
+
+def _resolve_hub_id(repo_id: str, revision: str | None) -> ResolvedModel:
+    parts = repo_id.split("/")
+    if len(repo_id) > 96 or not all(_HUB_PART.match(p) and p not in (".", "..") for p in parts):
+        raise ModelNotFoundError(f"model '{repo_id}': not a folder and not a valid hub id (org/name)")
+    rev = revision or "main"
+    if rev.startswith("/") or ".." in rev.split("/") or not rev.strip():
+        raise HotstartError(f"model '{repo_id}': invalid revision '{rev}'")
+
+    try:
+        return _lookup(repo_id, rev, explicit_revision=revision is not None)
+    except OSError as e:  # e.g. an unreadable cache folder: still one line, not a traceback
+        raise ModelNotFoundError(f"model '{repo_id}': cannot read the model caches: {e}") from None
+
+
+def _lookup(repo_id: str, rev: str, explicit_revision: bool) -> ResolvedModel:
+    parts = repo_id.split("/")
+    looked: list[str] = []
+    snapshot, note = _hf_snapshot(hf_hub_cache(), repo_id, rev)
+    looked.append(note)
+    if snapshot is not None:
+        return _checked(repo_id, snapshot, "hf-cache")
+    # ModelScope keeps one unnamed revision per folder, so it can only answer for the default branch.
+    use_modelscope = len(parts) == 2 and rev in ("main", "master")
+    if use_modelscope:
+        for candidate in modelscope_candidates(repo_id):
+            if candidate.is_dir():
+                return _checked(repo_id, candidate, "modelscope")
+            looked.append(str(candidate))
+    else:
+        looked.append("ModelScope cache skipped (it records no revisions)" if len(parts) == 2
+                      else "ModelScope cache skipped (its ids are org/name)")
+    rev_flag = f" --revision {rev}" if explicit_revision else ""
+    raise ModelNotFoundError(
+        f"model '{repo_id}' not found locally; looked in: {'; '.join(looked)}. hotstart never downloads: "
+        f"fetch it first with `hf download {repo_id}{rev_flag}` "
+        f"(older huggingface_hub: `huggingface-cli download {repo_id}{rev_flag}`)"
+        + (f" or `modelscope download --model {repo_id}`" if use_modelscope else "")
+    )
+
+
+def _checked(repo_id: str, folder: Path, source: str) -> ResolvedModel:
+    # A snapshot without weights is returned (the loader names what is missing), but without
+    # config.json nothing downstream can even size the model, so say so here.
+    if not (folder / "config.json").is_file():
+        raise ModelNotFoundError(
+            f"model '{repo_id}': {folder} has no config.json (incomplete download?)")
+    return ResolvedModel(path=folder, source=source, name=repo_id)
+
+
+def hf_hub_cache() -> Path:
+    """The HF hub cache folder, with huggingface_hub's precedence of env vars."""
+    explicit = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if explicit:
+        return Path(os.path.expandvars(explicit)).expanduser()
+    home = os.environ.get("HF_HOME")
+    if not home:
+        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        home = os.path.join(xdg, "huggingface")
+    return Path(os.path.expandvars(home)).expanduser() / "hub"
+
+
+def _hf_snapshot(cache: Path, repo_id: str, revision: str) -> tuple[Path | None, str]:
+    """(snapshot folder or None, a note on where it looked, for the not-found message)."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    if not repo.is_dir():
+        return None, f"{repo} (HF cache, revision '{revision}')"
+    commit = revision
+    ref = repo / "refs" / revision
+    if ref.is_file():
+        commit = ref.read_text().strip()
+    snapshot = repo / "snapshots" / commit
+    if commit and snapshot.is_dir():
+        return snapshot, ""
+    refs = sorted(p.name for p in (repo / "refs").glob("*") if p.is_file())
+    have = f"; it has refs: {', '.join(refs)}" if refs else ""
+    return None, f"{snapshot} (HF cache, revision '{revision}' not cached{have})"
+
+
+def modelscope_candidates(repo_id: str) -> list[Path]:
+    """The folders ModelScope may have put `org/name` in, most likely first.
+
+    Newer ModelScope keeps models in {cache}/hub/models/{org}/{name} with '.' in the name written as
+    '___'; older releases used {cache}/hub/{org}/{name}. MODELSCOPE_CACHE names the folder holding
+    hub/ in newer releases and the hub folder itself in older ones, so both are tried.
+    """
+    org, name = repo_id.split("/")
+    env = os.environ.get("MODELSCOPE_CACHE")
+    if env:
+        base = Path(os.path.expandvars(env)).expanduser()
+        roots = [base / "hub", base]
+    else:
+        roots = [Path.home() / ".cache" / "modelscope" / "hub"]
+    names = [name.replace(".", "___"), name] if "." in name else [name]
+    out: list[Path] = []
+    for root in roots:
+        for prefix in (root / "models", root):
+            for n in names:
+                if (p := prefix / org / n) not in out:
+                    out.append(p)
+    return out
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a model folder, in load order.
+
+    The shards named by model.safetensors.index.json (sorted, unique), else model.safetensors,
+    else every *.safetensors sorted by name. Raises WeightsError if there are none, if the index is
+    not valid JSON, or if it names a shard that is missing.
+    """
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            data = json.loads(index.read_text())
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are both ValueErrors
+            raise WeightsError(f"{index}: invalid JSON ({e})") from None
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise WeightsError(f"{index}: has no weight_map")
+        shards = [model_dir / s for s in sorted(set(map(str, weight_map.values())))]
+        for shard in shards:
+            if not shard.is_file():  # also catches an HF-cache symlink whose blob is gone
+                raise WeightsError(f"{index} names shard {shard.name}, which is missing from {model_dir}")
+        return shards
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    found = sorted(p for p in model_dir.glob("*.safetensors") if p.is_file())
+    if found:
+        return found
+    other = sorted(p.name for p in model_dir.glob("*.bin")) if model_dir.is_dir() else []
+    hint = f" (found {', '.join(other[:3])}: hotstart loads safetensors only)" if other else ""
+    raise WeightsError(f"no safetensors weights in {model_dir}{hint}")
+
+
+def sidecar_files(model_dir: Path) -> list[Path]:
+    """The small files a start reads besides the weights (config, tokenizer, template), those that exist."""
+    return [p for p in (Path(model_dir) / n for n in SIDECAR_NAMES) if p.is_file()]

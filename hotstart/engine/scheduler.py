@@ -1,0 +1,76 @@
+"""Continuous batching: which sequences run this step and how many of their tokens.
+
+Every step has a token budget. Running sequences go first (a decode is 1 token; an unfinished chunked
+prefill continues); waiting sequences join while budget, sequence slots and KV blocks allow. When a
+running sequence needs a block and none is free, the most recently admitted running sequence is
+preempted: its blocks are freed and it is recomputed later (it keeps its generated tokens).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from hotstart.engine.block_manager import BlockManager
+from hotstart.engine.sequence import Sequence
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """[(sequence, number of new tokens to compute this step)], running ones first."""
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Sequence, int]] = []
+        for seq in list(self.running):
+            if seq not in self.running:  # preempted below by an earlier sequence
+                continue
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n <= 0:
+                continue
+            while not self.blocks.can_allocate(seq, seq.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq not in self.running:
+                continue
+            self.blocks.allocate(seq, seq.num_computed_tokens + n)
+            scheduled.append((seq, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.blocks.can_allocate(seq, seq.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            self.blocks.allocate(seq, seq.num_computed_tokens + n)
+            self.running.append(seq)
+            scheduled.append((seq, n))
+            budget -= n
+        return scheduled

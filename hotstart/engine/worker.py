@@ -1,0 +1,117 @@
+"""The engine process: build the EngineCore, then serve requests over zmq until told to stop.
+
+It runs forked from the warm forkserver (hotstart.engine.forkserver) or spawned directly
+(`python -m hotstart.engine.worker CONFIG_JSON IN_ADDR OUT_ADDR`) when pre-spawn is off.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import msgspec
+import torch  # noqa: F401 - imported here so the forkserver preloads it
+import zmq
+
+from hotstart.config import EngineConfig
+from hotstart.engine.core import EngineCore
+from hotstart.errors import HotstartError
+from hotstart.messages import (
+    AbortRequest, EngineFailed, EngineReady, EngineRequest, Phase, Shutdown, StepOutputs,
+    encoder, to_engine_decoder,
+)
+
+IDLE_POLL_MS = 200
+
+
+def _fatal_message(e: BaseException) -> str:
+    if isinstance(e, HotstartError):
+        return str(e)
+    if isinstance(e, MemoryError) or "out of memory" in str(e).lower():
+        return f"out of memory while starting the engine: {e}"
+    return f"{type(e).__name__}: {e}"
+
+
+def run_engine(cfg: EngineConfig, in_addr: str, out_addr: str) -> int:
+    ctx = zmq.Context(io_threads=1)
+    pull = ctx.socket(zmq.PULL)
+    pull.connect(in_addr)
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 2000)
+    push.connect(out_addr)
+    send = lambda msg: push.send(encoder.encode(msg))  # noqa: E731
+
+    def on_phase(name: str, start: float, end: float, detail: str) -> None:
+        send(Phase(name, start, end, "engine", detail))
+
+    cursor = None
+    try:
+        if cfg.cursor_path:
+            from hotstart.boot.cursor import LoadCursor  # noqa: PLC0415 - tiny, torch-free
+
+            try:
+                cursor = LoadCursor.open(cfg.cursor_path)
+            except (OSError, ValueError):
+                cursor = None  # best effort: the prefetcher then runs uncoordinated
+        core = EngineCore.build(cfg, on_phase, cursor.advance if cursor else None)
+    except BaseException as e:  # noqa: BLE001 - any startup failure is reported, then the process exits
+        send(EngineFailed(_fatal_message(e)))
+        push.close(linger=2000)
+        ctx.term()
+        return 1
+    finally:
+        if cursor is not None:
+            cursor.close()
+    device = core.placement.device
+    send(EngineReady(os.getpid(), str(device), str(core.placement.dtype).removeprefix("torch."),
+                     core.max_model_len, cfg.block_size, core.blocks.num_blocks, cfg.max_num_seqs))
+    poller = zmq.Poller()
+    poller.register(pull, zmq.POLLIN)
+    running = True
+    while running:
+        timeout = 0 if core.has_work() else IDLE_POLL_MS
+        if poller.poll(timeout):
+            while True:
+                try:
+                    raw = pull.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                try:
+                    msg = to_engine_decoder.decode(raw)
+                except msgspec.DecodeError:
+                    continue
+                if isinstance(msg, EngineRequest):
+                    err = core.add_request(msg)
+                    if err is not None:
+                        send(StepOutputs([err], core.stats()))
+                elif isinstance(msg, AbortRequest):
+                    outs = core.abort(msg.request_ids)
+                    if outs:
+                        send(StepOutputs(outs, core.stats()))
+                elif isinstance(msg, Shutdown):
+                    running = False
+        if running and core.has_work():
+            outputs = core.step()
+            send(StepOutputs(outputs, core.stats()))
+    push.close(linger=1000)
+    pull.close(linger=0)
+    ctx.term()
+    return 0
+
+
+def main() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process orchestrates shutdown
+    cfg = msgspec.json.decode(sys.argv[1], type=EngineConfig)
+    phase_start = time.time()
+    sys.stdout.flush()
+    code = run_engine(cfg, sys.argv[2], sys.argv[3])
+    del phase_start
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip torch's slow interpreter teardown
+
+
+if __name__ == "__main__":
+    main()

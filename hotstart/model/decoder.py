@@ -1,0 +1,64 @@
+"""The decoder-only causal LM shared by Llama (2/3, SmolLM2, Mistral-style), Qwen2/2.5 and Qwen3.
+
+The families differ only in flags read from config.json (ModelConfig): attention bias (Qwen2),
+q/k RMSNorm and explicit head_dim (Qwen3), tied embeddings, rope scaling. Parameter names follow
+the Hugging Face checkpoints, except the fused projections described by PACKED_MODULES.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hotstart.config import ModelConfig
+from hotstart.model.layers import AttnMetadata, DecoderLayer, RMSNorm, RotaryEmbedding
+
+# fused parameter -> the checkpoint projections it packs, in order along dim 0
+PACKED_MODULES = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg, max_positions or cfg.max_position_embeddings)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def packed_shard(self, param: str, proj: str) -> tuple[int, int]:
+        """(start, size) along dim 0 of a fused parameter for one checkpoint projection."""
+        cfg = self.cfg
+        if proj in PACKED_MODULES["qkv_proj"]:
+            sizes = {"q_proj": (0, cfg.q_size), "k_proj": (cfg.q_size, cfg.kv_size),
+                     "v_proj": (cfg.q_size + cfg.kv_size, cfg.kv_size)}
+        else:
+            i = cfg.intermediate_size
+            sizes = {"gate_proj": (0, i), "up_proj": (i, i)}
+        return sizes[proj]
+
+    def post_load(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Build non-persistent state (rotary table) once real weights are in place."""
+        self.model.rotary.build(device, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+        # input_ids, positions: [T] -> hidden: [T, hidden]
+        h = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            h = layer(h, positions, meta)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [N, hidden] -> logits: [N, vocab] in float32
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return (hidden @ weight.t()).float()

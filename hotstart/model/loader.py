@@ -1,0 +1,121 @@
+"""Build a model on the meta device and stream safetensors weights into it, strictly.
+
+Files are read in the given order and tensors in file-offset order (sequential I/O); the position
+is published through an optional LoadCursor so the API process's prefetcher stays just ahead.
+Unfused tensors are assigned (a zero-copy mmap view when device and dtype already match);
+fused projections (qkv, gate_up) are copied once into their packed parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from hotstart.config import ModelConfig
+from hotstart.errors import WeightsError
+from hotstart.model.decoder import PACKED_MODULES, CausalLM
+from hotstart.model.safetensors_io import DTYPES, SafetensorsFile
+
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+FLOAT_DTYPES = {"F32", "F16", "BF16"}
+
+
+def _target(name: str) -> tuple[str, str | None]:
+    """Checkpoint tensor name -> (model parameter name, packed projection or None)."""
+    parts = name.split(".")
+    for packed, projs in PACKED_MODULES.items():
+        for proj in projs:
+            if proj in parts:
+                parts[parts.index(proj)] = packed
+                return ".".join(parts), proj
+    return name, None
+
+
+def _set_param(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    module._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
+
+
+def load_model(
+    cfg: ModelConfig,
+    files: Sequence[Path],
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    max_positions: int | None = None,
+    on_progress: Callable[[int], None] | None = None,
+) -> CausalLM:
+    """Build CausalLM(cfg) and fill every parameter from FILES. on_progress gets the global byte offset
+    (sum of earlier file sizes + offset in the current file) after each tensor."""
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = CausalLM(cfg, max_positions)
+    expected = {n: p for n, p in model.named_parameters()}
+    filled: dict[str, int] = {}  # parameter -> rows filled along dim 0
+    packed_buffers: dict[str, torch.Tensor] = {}
+    base = 0
+    if not files:
+        raise WeightsError(f"{cfg.path}: no safetensors weight files found")
+    for path in files:
+        st = SafetensorsFile(path)
+        try:
+            for info in st.in_file_order():
+                name = info.name
+                if name.endswith(IGNORED_SUFFIXES):
+                    continue
+                target, proj = _target(name)
+                if target not in expected:
+                    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                        continue  # tied: the embedding serves as the output projection
+                    raise WeightsError(f"{path}: unexpected tensor '{name}' for {cfg.architecture}")
+                if info.dtype not in FLOAT_DTYPES:
+                    raise WeightsError(f"{path}: tensor '{name}' has dtype {info.dtype}, expected a float dtype")
+                meta = expected[target]
+                if proj is None:
+                    want = tuple(meta.shape)
+                else:
+                    start, size = model.packed_shard(target, proj)
+                    want = (size, *meta.shape[1:])
+                if info.shape != want:
+                    raise WeightsError(f"{path}: tensor '{name}' has shape {list(info.shape)}, expected {list(want)}")
+                src = st.get(info)
+                if proj is None:
+                    _set_param(model, target, src.to(device=device, dtype=dtype))
+                    filled[target] = meta.shape[0]
+                else:
+                    buf = packed_buffers.get(target)
+                    if buf is None:
+                        buf = packed_buffers[target] = torch.empty(meta.shape, device=device, dtype=dtype)
+                        _set_param(model, target, buf)
+                    buf[start:start + size].copy_(src)
+                    filled[target] = filled.get(target, 0) + size
+                if on_progress is not None:
+                    on_progress(base + info.end)
+        finally:
+            st.close()
+        base += st.size
+    missing = [n for n, p in expected.items() if filled.get(n, 0) != p.shape[0]]
+    if missing:
+        shown = ", ".join(_checkpoint_names(missing[:3]))
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise WeightsError(f"{cfg.path}: missing tensor(s) {shown}{more}")
+    model.post_load(device, dtype)
+    return model.eval()
+
+
+def _checkpoint_names(params: list[str]) -> list[str]:
+    """Name missing fused parameters by their checkpoint projections, which is what users see."""
+    out = []
+    for p in params:
+        for packed, projs in PACKED_MODULES.items():
+            if f".{packed}." in p:
+                p = "/".join(p.replace(packed, proj) for proj in projs)
+                break
+        out.append(f"'{p}'")
+    return out
+
+
+__all__ = ["load_model", "DTYPES"]

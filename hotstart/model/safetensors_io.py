@@ -1,0 +1,105 @@
+"""A strict, zero-copy safetensors reader (header parsed here; tensors are views of an mmap).
+
+Parsing the header ourselves gives the loader the byte layout (to read in file order, to report
+progress to the prefetcher) and lets it detect truncated or inconsistent files with a clear message.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hotstart.errors import WeightsError
+
+DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str  # safetensors dtype string, e.g. "BF16"
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    end: int
+
+
+class SafetensorsFile:
+    """One .safetensors file: header validated on open, tensors served as views of a private mmap."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        except OSError as e:
+            raise WeightsError(f"{self.path}: cannot open: {e.strerror}") from None
+        try:
+            self.size = os.fstat(self._fd).st_size
+            self.tensors = self._parse_header()
+            # ACCESS_COPY (MAP_PRIVATE): writable views for torch.frombuffer without copying the file.
+            self._mm = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY) if self.size else None
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _parse_header(self) -> dict[str, TensorInfo]:
+        head = os.pread(self._fd, 8, 0)
+        if len(head) < 8:
+            raise WeightsError(f"{self.path}: truncated safetensors file ({self.size} bytes)")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER_BYTES or 8 + n > self.size:
+            raise WeightsError(f"{self.path}: invalid or truncated safetensors header (header length {n}, file {self.size} bytes)")
+        try:
+            raw = json.loads(os.pread(self._fd, n, 8))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise WeightsError(f"{self.path}: corrupt safetensors header: {e}") from None
+        if not isinstance(raw, dict):
+            raise WeightsError(f"{self.path}: corrupt safetensors header: not an object")
+        base = 8 + n
+        out: dict[str, TensorInfo] = {}
+        for name, meta in raw.items():
+            if name == "__metadata__":
+                continue
+            try:
+                dtype, shape, (begin, end) = meta["dtype"], tuple(meta["shape"]), meta["data_offsets"]
+            except (KeyError, TypeError, ValueError):
+                raise WeightsError(f"{self.path}: tensor '{name}' has a malformed header entry") from None
+            if dtype not in DTYPES:
+                raise WeightsError(f"{self.path}: tensor '{name}' has unsupported dtype {dtype}")
+            numel = 1
+            for d in shape:
+                numel *= d
+            itemsize = DTYPES[dtype].itemsize
+            if end - begin != numel * itemsize or begin < 0:
+                raise WeightsError(f"{self.path}: tensor '{name}' byte range does not match shape {list(shape)} {dtype}")
+            if base + end > self.size:
+                raise WeightsError(
+                    f"{self.path}: truncated: tensor '{name}' ends at byte {base + end}, file has {self.size} bytes"
+                )
+            out[name] = TensorInfo(name, dtype, shape, base + begin, base + end)
+        return out
+
+    def in_file_order(self) -> list[TensorInfo]:
+        return sorted(self.tensors.values(), key=lambda t: t.start)
+
+    def get(self, info: TensorInfo) -> torch.Tensor:
+        """A CPU tensor viewing the file's bytes (no copy; pages come from the page cache on touch)."""
+        dtype = DTYPES[info.dtype]
+        if info.end == info.start:
+            return torch.empty(info.shape, dtype=dtype)
+        flat = torch.frombuffer(self._mm, dtype=dtype, count=(info.end - info.start) // dtype.itemsize, offset=info.start)
+        return flat.view(info.shape)
+
+    def close(self) -> None:
+        # The mmap stays alive as long as tensors view it (they hold a buffer reference).
+        os.close(self._fd)

@@ -1,0 +1,197 @@
+"""`hotstart serve`: the startup pipeline of the API process (torch-free).
+
+Order matters; each step is on the timeline:
+  t=0  start the warm forkserver (it imports torch + the engine in another process)
+       resolve the model (ms), start the weight prefetcher (daemon threads doing reads only),
+       send the engine its config (the forkserver forks it as soon as its preload is done)
+  then import the web stack, load the tokenizer, bind the socket, serve: /health is 503 until the
+       engine reports ready.
+HOTSTART_SERIAL=1 turns all of it off (the serial baseline): no forkserver, no prefetch, and the
+engine is spawned only once the API process is otherwise ready.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+
+from hotstart.boot.prespawn import EngineLauncher
+from hotstart.boot.timeline import Timeline
+from hotstart.config import EngineConfig
+from hotstart.errors import HotstartError
+
+log = logging.getLogger("hotstart")
+GRACEFUL_SHUTDOWN_S = 3
+
+
+def _serial() -> bool:
+    return os.environ.get("HOTSTART_SERIAL", "").lower() in ("1", "true", "yes")
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == 98:
+            raise HotstartError(f"port {port} on {host} is already in use (pick another with --port, or 0 for a free one)") from None
+        raise HotstartError(f"cannot bind {host}:{port}: {e.strerror}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _on_signal_before_loop(signum, frame):  # noqa: ARG001
+    raise SystemExit(128 + signum)
+
+
+def _start_prefetch(args: argparse.Namespace, model_path, files, timeline: Timeline):
+    """Start the sidecar and weight prefetchers; return (weights prefetcher or None, cursor or None)."""
+    from hotstart.boot.cursor import LoadCursor  # noqa: PLC0415
+    from hotstart.boot.prefetch import Prefetcher  # noqa: PLC0415
+    from hotstart.boot.resolve import sidecar_files  # noqa: PLC0415
+    from hotstart.boot.storage import PrefetchOverrides, plan_for  # noqa: PLC0415
+
+    with timeline.phase("prefetch planned"):
+        overrides = PrefetchOverrides(threads=args.prefetch_threads, block_mib=args.prefetch_block_mb)
+        try:
+            plan = plan_for(files, overrides)
+        except ValueError as e:
+            raise HotstartError(str(e)) from None
+        Prefetcher(sidecar_files(model_path), plan_for(sidecar_files(model_path), overrides)).start()
+        if not plan.enabled:
+            log.info("hotstart: weight prefetch off: %s", plan.reason)
+            return None, None
+        cursor = LoadCursor.create()
+        prefetcher = Prefetcher(files, plan, cursor).start()
+    log.info("hotstart: prefetching weights: %s", plan.reason)
+    return prefetcher, cursor
+
+
+def run_serve(args: argparse.Namespace, t0: float) -> int:
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(message)s", stream=sys.stderr)
+    signal.signal(signal.SIGTERM, _on_signal_before_loop)
+    timeline = Timeline(t0)
+    timeline.log = lambda line: log.info(line)  # one log line per phase
+    serial = _serial()
+    prespawn = args.prespawn and not serial
+    launcher = EngineLauncher(use_forkserver=prespawn)
+    prefetcher = cursor = None
+    client = None
+    try:
+        if prespawn:
+            with timeline.phase("forkserver launched"):
+                launcher.start()
+        from hotstart.boot.resolve import resolve_model, weight_files  # noqa: PLC0415
+
+        with timeline.phase("model resolved"):
+            model = resolve_model(args.model, args.revision)
+            files = weight_files(model.path)
+        if args.prefetch and not serial:
+            prefetcher, cursor = _start_prefetch(args, model.path, files, timeline)
+        engine_cfg = EngineConfig(
+            model_path=str(model.path), weight_files=tuple(str(f) for f in files), device=args.device,
+            dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            cursor_path=cursor.path if cursor is not None else None, t0=t0,
+        )
+        from hotstart.server.engine_client import EngineClient  # noqa: PLC0415
+
+        client = EngineClient(launcher, engine_cfg, timeline, auto_restart=args.restart)
+        if prespawn:
+            with timeline.phase("engine config sent"):
+                client.spawn()
+        with timeline.phase("web stack imported"):
+            from hotstart.server.api import ApiSettings, build_app  # noqa: PLC0415
+            from hotstart.server.tokenizer import Tokenizer  # noqa: PLC0415
+        with timeline.phase("tokenizer loaded"):
+            tokenizer = Tokenizer.from_dir(model.path)
+        names = args.served_model_name or [model.name]
+        settings = ApiSettings(served_model_names=names, api_key=args.api_key,
+                               max_request_bytes=args.max_request_bytes)
+        app = build_app(client, tokenizer, settings)
+        if prefetcher is not None:
+            app.state.prefetch_stats = prefetcher.stats
+        with timeline.phase("socket bound"):
+            sock = _bind(args.host, args.port)
+        host, port = sock.getsockname()[:2]
+        if args.host in ("0.0.0.0", "::") and not args.api_key:
+            log.warning("hotstart: WARNING: listening on all interfaces without --api-key")
+        print(f"hotstart: serving {names[0]} on http://{host}:{port} (health: /health)", file=sys.stderr, flush=True)
+        if not prespawn:
+            with timeline.phase("engine spawned"):
+                client.spawn()
+        return asyncio.run(_serve(app, sock, client, args, prefetcher))
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if client is None:
+            launcher.shutdown()
+        if args.startup_trace:
+            with contextlib.suppress(OSError):
+                timeline.write_chrome_trace(args.startup_trace)
+        if cursor is not None:
+            cursor.close()
+            cursor.unlink()
+
+
+async def _serve(app, sock: socket.socket, client, args: argparse.Namespace, prefetcher) -> int:
+    import uvicorn  # noqa: PLC0415
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):  # we install our own handlers on the loop below
+            yield
+
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    server = Server(config)
+    loop = asyncio.get_running_loop()
+    signals_seen = []
+
+    def on_signal(sig: int) -> None:
+        signals_seen.append(sig)
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+    def on_fatal(message: str) -> None:  # noqa: ARG001 - printed once, after shutdown
+        server.should_exit = True
+
+    def on_ready() -> None:
+        took = time.time() - client.timeline.t0
+        log.info("hotstart: ready in %.2f s since launch", took)
+        if hasattr(app.state, "set_startup_seconds"):
+            app.state.set_startup_seconds(took)
+        if prefetcher is not None:
+            s = prefetcher.stats()
+            log.info("hotstart: prefetch %s: %.0f MB read, %.0f MB already resident, %.2f GB/s",
+                     s.get("state"), s.get("bytes_read", 0) / 1e6, s.get("bytes_skipped_resident", 0) / 1e6,
+                     s.get("gbps", 0.0))
+
+    client.on_fatal = on_fatal
+    client.on_ready = on_ready
+    await client.start()
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        if prefetcher is not None:
+            prefetcher.stop()
+        await client.close()
+    if client.fatal:
+        print(f"hotstart: error: {client.fatal}", file=sys.stderr)
+        return 1
+    return 0
