@@ -54,7 +54,7 @@ def load_model(
     with torch.device("meta"):
         model = CausalLM(cfg, max_positions)
     expected = {n: p for n, p in model.named_parameters()}
-    filled: dict[str, int] = {}  # parameter -> rows filled along dim 0
+    filled: dict[str, set[str | None]] = {}  # parameter -> checkpoint projections loaded (None: unfused)
     packed_buffers: dict[str, torch.Tensor] = {}
     base = 0
     if not files:
@@ -84,38 +84,30 @@ def load_model(
                 src = st.get(info)
                 if proj is None:
                     _set_param(model, target, src.to(device=device, dtype=dtype))
-                    filled[target] = meta.shape[0]
                 else:
                     buf = packed_buffers.get(target)
                     if buf is None:
                         buf = packed_buffers[target] = torch.empty(meta.shape, device=device, dtype=dtype)
                         _set_param(model, target, buf)
                     buf[start:start + size].copy_(src)
-                    filled[target] = filled.get(target, 0) + size
+                filled.setdefault(target, set()).add(proj)
                 if on_progress is not None:
                     on_progress(base + info.end)
         finally:
             st.close()
         base += st.size
-    missing = [n for n, p in expected.items() if filled.get(n, 0) != p.shape[0]]
+    missing = [name for param in expected for name in _missing(param, filled.get(param, set()))]
     if missing:
-        shown = ", ".join(_checkpoint_names(missing[:3]))
+        shown = ", ".join(f"'{n}'" for n in missing[:3])
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise WeightsError(f"{cfg.path}: missing tensor(s) {shown}{more}")
     model.post_load(device, dtype)
     return model.eval()
 
 
-def _checkpoint_names(params: list[str]) -> list[str]:
-    """Name missing fused parameters by their checkpoint projections, which is what users see."""
-    out = []
-    for p in params:
-        for packed, projs in PACKED_MODULES.items():
-            if f".{packed}." in p:
-                p = "/".join(p.replace(packed, proj) for proj in projs)
-                break
-        out.append(f"'{p}'")
-    return out
-
-
-__all__ = ["load_model", "DTYPES"]
+def _missing(param: str, loaded: set[str | None]) -> list[str]:
+    """Checkpoint names (what users see) of the tensors PARAM still lacks."""
+    for packed, projs in PACKED_MODULES.items():
+        if f".{packed}." in param:
+            return [param.replace(packed, proj) for proj in projs if proj not in loaded]
+    return [] if loaded else [param]

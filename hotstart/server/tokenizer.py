@@ -1,0 +1,435 @@
+"""Tokenizer and chat template for the API process, without transformers or torch.
+
+Ids come from the `tokenizers` library on the model's tokenizer.json. Chat templates are rendered with
+jinja2 in the environment transformers builds (transformers/utils/chat_template_utils.py: sandbox,
+trim_blocks/lstrip_blocks, raise_exception, tojson, strftime_now, dict, namespace, loop controls,
+{% generation %}), so prompts and ids match `AutoTokenizer.apply_chat_template` on the same folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Iterable, Mapping
+from datetime import datetime
+from pathlib import Path
+from typing import Any, ClassVar
+
+import jinja2
+import jinja2.debug  # noqa: F401 - jinja imports it on the first template error: not on a request thread
+import jinja2.ext
+import jinja2.nodes
+import jinja2.utils
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken
+from tokenizers import Tokenizer as _Backend
+
+from hotstart.errors import HotstartError
+
+NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                        "mask_token")
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # templates read the first
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+_DETOKENIZE_CONTEXT = 5  # prompt tokens kept as left context for the first generated tokens
+
+
+class TokenizerError(HotstartError):
+    """tokenizer.json or tokenizer_config.json is missing or unreadable."""
+
+
+class ChatTemplateError(HotstartError):
+    """The chat template is missing, does not compile, or fails on the given messages."""
+
+
+class Tokenizer:
+    """Encode/decode and chat-template rendering for one model folder."""
+
+    def __init__(self, backend: _Backend, config: dict | None = None,
+                 chat_templates: dict[str, tuple[str, str]] | None = None, name: str = "model"):
+        """`config`: tokenizer_config.json's content; `chat_templates`: name -> (source, where it is from)."""
+        self._backend, self._config, self._name = backend, config or {}, name
+        self._templates = dict(chat_templates or {})
+        self._compiled: dict[str, jinja2.Template] = {}
+        # Truncation/padding baked into tokenizer.json would change ids; transformers' __call__ drops them
+        backend.no_truncation()
+        backend.no_padding()
+        backend.encode_special_tokens = bool(self._config.get("split_special_tokens", False))
+        self.special_tokens_map, extra = _special_tokens(self._config)
+        declared = [*self.special_tokens_map.values(), *extra]
+        # transformers adds declared special tokens that tokenizer.json lacks; so do we, for the same ids
+        added = {t.content for t in backend.get_added_tokens_decoder().values()}
+        missing = list(dict.fromkeys(t for t in declared if t not in added))
+        if missing:
+            backend.add_special_tokens([AddedToken(t, special=True) for t in missing])
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self.bos_token: str | None = self.special_tokens_map.get("bos_token")
+        self.eos_token: str | None = self.special_tokens_map.get("eos_token")
+        self.bos_token_id: int | None = self.token_to_id(self.bos_token)
+        self.eos_token_id: int | None = self.token_to_id(self.eos_token)
+        # What decode(skip_special_tokens=True) drops: declared special tokens + added tokens marked special
+        self.all_special_ids: set[int] = {i for t in declared if (i := self.token_to_id(t)) is not None}
+        self.all_special_ids |= {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+        if "default" in self._templates:
+            self._template("default")  # a broken template fails at startup, not on the first request
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+        """Load tokenizer.json, tokenizer_config.json and the chat template(s) of a model folder."""
+        folder = Path(model_dir)
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise TokenizerError(f"{path}: not found (hotstart needs the model's tokenizer.json)")
+        try:
+            backend = _Backend.from_file(str(path))
+        except Exception as e:  # noqa: BLE001 - the Rust parser raises plain Exception
+            reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+            raise TokenizerError(f"{path}: not a valid tokenizers file ({reason})") from None
+        config = _read_json_object(folder / "tokenizer_config.json")
+        if "added_tokens_decoder" not in config:
+            # transformers reads the legacy special_tokens_map.json only then, and lets it win
+            config.update(_read_json_object(folder / "special_tokens_map.json"))
+        return cls(backend, config, _load_chat_templates(folder, config), name=str(folder))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Same ids as transformers' `tokenizer(text).input_ids`."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str | None) -> int | None:
+        return None if token is None else self._backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._backend.id_to_token(token_id)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self._templates)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools=None, *,
+                            documents=None, chat_template: str | None = None,
+                            continue_final_message: bool | str = False, **kwargs) -> str:
+        """Render `messages` as transformers' `apply_chat_template(..., tokenize=False)` does.
+
+        `chat_template` names one of the model's templates, or is a template itself. Extra kwargs become
+        template variables (enable_thinking, ...) and override the special tokens (bos_token, ...).
+        """
+        name = self._pick_template(chat_template, tools)
+        if name is None:
+            where, source = "the chat_template argument", chat_template
+            template = self._compile(where, source)
+        else:
+            (source, where), template = self._templates[name], self._template(name)
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ChatTemplateError("messages: expected a non-empty list of messages")
+        for key, value in (("tools", tools), ("documents", documents)):
+            if value is not None and not (isinstance(value, (list, tuple))
+                                          and all(isinstance(v, Mapping) for v in value)):
+                raise ChatTemplateError(f"{key}: expected a list of JSON objects")
+        chat = _alias_reasoning([_plain_message(m, i) for i, m in enumerate(messages)])
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be set")
+            final = _tag_final_message(chat, continue_final_message, source)
+        variables = _plain({**self.special_tokens_map, **kwargs})
+        try:
+            text = template.render(messages=chat, tools=_plain(tools), documents=_plain(documents),
+                                   add_generation_prompt=add_generation_prompt, **variables)
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"chat template ({where}) rejected the messages: {e}") from None
+        except Exception as e:  # templates index, concatenate and call methods on user data
+            raise ChatTemplateError(
+                f"chat template ({where}) failed on the messages: {type(e).__name__}: {e}") from e
+        return _cut_at_tag(text, final) if continue_final_message else text
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools=None,
+                    **kwargs) -> list[int]:
+        """Same ids as transformers' `apply_chat_template(..., tokenize=True)`."""
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, **kwargs)
+        return self.encode(text, add_special_tokens=False)
+
+    def _pick_template(self, chat_template: str | None, tools) -> str | None:
+        """The template's name, as transformers' get_chat_template picks it; None: use `chat_template`."""
+        if chat_template is not None:
+            return chat_template if chat_template in self._templates else None
+        if not self._templates:
+            raise ChatTemplateError(f"{self._name}: the model has no chat template (no chat_template.jinja, "
+                                    "no chat_template in tokenizer_config.json); send a raw prompt instead")
+        if tools is not None and "tool_use" in self._templates:
+            return "tool_use"
+        if "default" in self._templates:
+            return "default"
+        raise ChatTemplateError(f"{self._name}: the model has several chat templates and none is named "
+                                f"'default' (names: {sorted(self._templates)})")
+
+    def _template(self, name: str) -> jinja2.Template:
+        if name not in self._compiled:
+            source, where = self._templates[name]
+            self._compiled[name] = self._compile(where, source)
+        return self._compiled[name]
+
+    @staticmethod
+    def _compile(where: str, source: str) -> jinja2.Template:
+        try:
+            return _environment().from_string(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise ChatTemplateError(f"chat template ({where}) line {e.lineno}: {e.message}") from None
+
+
+class IncrementalDetokenizer:
+    """Turns generated ids into text deltas, decoding only a few tokens per step.
+
+    Two offsets into the ids (vLLM's scheme): text is decoded from `prefix`, so that tokens whose text
+    depends on their left neighbour (byte pieces of one character, SentencePiece's leading space) decode
+    as in the whole sequence, and only the text after `read` is new. New text ending in U+FFFD is an
+    incomplete UTF-8 character: it is held back until later tokens complete it (or flush()).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
+                 prompt_ids: list[int] | None = None):
+        self._tokenizer, self._skip = tokenizer, skip_special_tokens
+        # Only the ids from `prefix` on are kept, so memory and work per step stay constant
+        self._ids: list[int] = list(prompt_ids[-_DETOKENIZE_CONTEXT:]) if prompt_ids else []
+        self._read = len(self._ids)
+        self._prefix_text: str | None = None  # decode(ids[:read]), cached until the offsets move
+        self._parts: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        if len(self._parts) > 1:
+            self._parts = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
+
+    def add(self, token_ids: Iterable[int]) -> str:
+        """Append generated ids; return the text they complete (possibly empty)."""
+        self._ids.extend(token_ids)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """At the end of generation: the text held back (an incomplete character comes out as U+FFFD)."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        if self._prefix_text is None:
+            self._prefix_text = self._tokenizer.decode(self._ids[: self._read], self._skip)
+        new_text = self._tokenizer.decode(self._ids, self._skip)
+        if len(new_text) <= len(self._prefix_text) or (new_text.endswith("\ufffd") and not final):
+            return ""
+        delta = new_text[len(self._prefix_text):]
+        self._ids = self._ids[self._read:]  # the old read offset is the new prefix
+        self._read = len(self._ids)
+        self._prefix_text = None
+        self._parts.append(delta)
+        return delta
+
+
+_ENV: ImmutableSandboxedEnvironment | None = None
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    global _ENV
+    if _ENV is None:
+        if tuple(int(p) for p in re.findall(r"\d+", jinja2.__version__)[:3]) < (3, 1, 6):
+            # Older versions have known sandbox escapes, and chat templates from the Hub are untrusted code
+            raise ChatTemplateError(f"jinja2 {jinja2.__version__} is too old to run chat templates safely: "
+                                    "pip install 'jinja2>=3.1.6'")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now,
+                           dict=_TemplateDict(), namespace=_TemplateNamespace)
+        _ENV = env
+    return _ENV
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # Unlike jinja's own tojson: no HTML escaping, and the json.dumps options templates use
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format):
+    return datetime.now().strftime(format)
+
+
+class _TemplateDict:
+    """`dict(...)` for templates, without handing them the dict type itself."""
+
+    def __call__(self, *args, **kwargs):
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """namespace() that refuses underscore names, which could reach CPython internals."""
+
+    def __init__(*args, **kwargs):  # jinja's signature trick, so that namespace(self=...) works
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _TemplateNamespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore names ({name!r})")
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks: render it as is."""
+
+    tags: ClassVar[set[str]] = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller):
+        return caller()
+
+
+def _read_json_object(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TokenizerError(f"{path}: unreadable JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _load_chat_templates(folder: Path, config: dict) -> dict[str, tuple[str, str]]:
+    """name -> (source, where). Template files win over tokenizer_config.json, as in transformers."""
+    files = {}
+    if (folder / "chat_template.jinja").is_file():
+        files["default"] = folder / "chat_template.jinja"
+    if (folder / "additional_chat_templates").is_dir():
+        files.update({p.name.removesuffix(".jinja"): p
+                      for p in sorted((folder / "additional_chat_templates").glob("*.jinja"))})
+    if files:
+        try:
+            return {name: (p.read_text(encoding="utf-8"), str(p)) for name, p in files.items()}
+        except (OSError, UnicodeDecodeError) as e:
+            raise ChatTemplateError(f"chat template unreadable: {e}") from None
+    where = f"{folder / 'tokenizer_config.json'}: chat_template"
+    value = config.get("chat_template")
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        return {"default": (value, where)}
+    if isinstance(value, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str)
+                                       and isinstance(t.get("template"), str) for t in value):
+        return {t["name"]: (t["template"], f"{where}[{t['name']}]") for t in value}
+    raise ChatTemplateError(f"{where}: expected a string or a list of {{'name', 'template'}} objects")
+
+
+def _token_content(value) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):  # a serialised AddedToken
+        return value["content"]
+    return None
+
+
+def _special_tokens(config: dict) -> tuple[dict[str, str], list[str]]:
+    """(named special tokens, as transformers' special_tokens_map hands them to templates; extra ones)."""
+    named = {}
+    for key, value in config.items():
+        content = _token_content(value)
+        # model-specific names (image_token, ...) are special tokens and template variables too
+        if content is not None and (key in NAMED_SPECIAL_TOKENS or key.endswith("_token")):
+            named[key] = content
+    extra = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
+    if isinstance(extra, dict):
+        named.update({k: c for k, v in extra.items() if (c := _token_content(v)) is not None})
+        extra = []
+    return named, [c for v in extra if (c := _token_content(v)) is not None]
+
+
+def _plain(value: Any) -> Any:
+    """A copy made of plain JSON types only, so the sandbox never sees objects with dangerous methods."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    # Subclasses (enums, ...) carry extra methods: keep only the base type's value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if callable(getattr(value, "model_dump", None)):  # pydantic models
+        return _plain(value.model_dump())
+    return f"<{type(value).__name__}>"
+
+
+def _plain_message(message, index: int) -> dict:
+    plain = _plain(message)
+    if not isinstance(plain, dict):
+        raise ChatTemplateError(f"messages[{index}]: expected a JSON object, got {type(message).__name__}")
+    # APIs send content=None / tool_calls=None; templates handle a missing key better than a None
+    return {k: v for k, v in plain.items() if v is not None}
+
+
+def _alias_reasoning(chat: list[dict]) -> list[dict]:
+    # Fill reasoning_content from its other names, and `thinking` for the templates that read that
+    out = []
+    for message in chat:
+        reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        out.append(message)
+    return out
+
+
+def _tag_final_message(chat: list[dict], field: bool | str, source: str) -> str:
+    """Append a tag to the last message's text, so the rendered prompt can be cut right after it."""
+    field = field if isinstance(field, str) else "content"
+    last = chat[-1]
+    final = last.get(field)
+    if final is None:
+        raise ChatTemplateError(f"continue_final_message: the last message has no {field!r} to continue")
+    fields = [f for f in REASONING_FIELDS if last.get(f) == final] if field in REASONING_FIELDS else [field]
+    if not any(f in source for f in fields):
+        raise ChatTemplateError(f"continue_final_message: the chat template does not use {field!r}")
+    if isinstance(final, (list, tuple)):
+        for block in reversed(final):
+            if isinstance(block, dict) and "text" in block:
+                final, block["text"] = block["text"], block["text"] + _CONTINUE_TAG
+                return final
+        raise ChatTemplateError("continue_final_message: the last message has no text part to continue")
+    for f in fields:
+        last[f] = last[f] + _CONTINUE_TAG
+    return final
+
+
+def _cut_at_tag(text: str, final: str) -> str:
+    tag = _CONTINUE_TAG.strip()
+    if final.strip() not in text or tag not in text:
+        raise ChatTemplateError("continue_final_message: the chat template dropped part of the last message")
+    at = text.rindex(tag)
+    # A template that strips the message's trailing space strips the tag's too
+    return text[:at] if text[at: at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()

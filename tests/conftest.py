@@ -1,0 +1,64 @@
+"""Shared fixtures: the real default model, and small random-weight checkpoints written by transformers."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    from hotstart.boot.default_model import ensure_default_model
+
+    return ensure_default_model(quiet=True)
+
+
+# family -> transformers config kwargs (odd sizes on purpose: 3 KV heads, head_dim != hidden / heads)
+TINY = {
+    "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=96, intermediate_size=200,
+                  num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=3, vocab_size=512,
+                  max_position_embeddings=1024, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  initializer_range=0.2),
+    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=96, intermediate_size=160,
+                  num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=3, head_dim=24, vocab_size=512,
+                  max_position_embeddings=1024, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                  initializer_range=0.2),
+    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=80, intermediate_size=144,
+                  num_hidden_layers=2, num_attention_heads=5, num_key_value_heads=1, vocab_size=512,
+                  max_position_embeddings=1024, rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.2,
+                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 128},
+                  rope_theta=500000.0),
+}
+
+
+def make_tiny_checkpoint(family: str, out: Path, shard: bool = False, dtype: str = "float32") -> Path:
+    """Random-weight checkpoint saved by transformers itself (the reference writer)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = dict(TINY[family])
+    model_type = kwargs.pop("model_type")
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, **kwargs)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model.save_pretrained(out, safe_serialization=True, max_shard_size="100KB" if shard else "10GB")
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    cache: dict[tuple, Path] = {}
+
+    def get(family: str, shard: bool = False) -> Path:
+        key = (family, shard)
+        if key not in cache:
+            cache[key] = make_tiny_checkpoint(family, tmp_path_factory.mktemp(f"{family}{'-sharded' if shard else ''}"), shard)
+        return cache[key]
+
+    return get
