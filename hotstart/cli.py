@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     _add_engine_args(g)
 
+    from hotstart.bench.args import add_bench_commands  # noqa: PLC0415 - argparse only
+
+    add_bench_commands(sub)
+
     t = sub.add_parser("timeline", help="draw a startup trace (from --startup-trace or GET /startup) as a PNG")
     t.add_argument("trace", help="the JSON file")
     t.add_argument("-o", "--output", default="startup.png", help="PNG to write")
@@ -95,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
             from hotstart.engine.generate import run_generate  # noqa: PLC0415
 
             return run_generate(args)
+        if args.command in ("bench", "make-model"):
+            from hotstart.bench.args import run_bench_command  # noqa: PLC0415
+
+            return run_bench_command(args)
         if args.command == "timeline":
             from hotstart.boot.timeline import render_png  # noqa: PLC0415
 
