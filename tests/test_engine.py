@@ -11,7 +11,7 @@ from hotstart.messages import EngineRequest, SamplingParams
 
 @pytest.fixture(scope="module")
 def core(default_model_dir) -> EngineCore:
-    return EngineCore.build(EngineConfig(model_path=str(default_model_dir), device="cpu", max_model_len=512,
+    return EngineCore.build(EngineConfig(model_path=str(default_model_dir), device="cpu", dtype="float32", max_model_len=512,
                                          kv_cache_memory=256 << 20, max_num_seqs=16))
 
 

@@ -8,6 +8,7 @@ import torch
 from hotstart.boot.resolve import weight_files
 from hotstart.config import EngineConfig, load_model_config
 from hotstart.engine.core import EngineCore
+from hotstart.engine.model_runner import ModelRunner
 from hotstart.engine.sequence import Sequence
 from hotstart.messages import EngineRequest, SamplingParams
 
@@ -82,6 +83,23 @@ def test_default_model_matches_transformers(default_model_dir):
     mine = _greedy(core, ids, 32)
     assert len(mine) == 32
     assert mine == _ref_greedy(ref, ids, 32, eos=None)
+
+
+def test_fused_projections_match_unfused(tiny_checkpoint):
+    """The packed q/k/v and gate/up layout (used on GPUs) computes the same logits."""
+    from hotstart.model.loader import load_model
+
+    model_dir = tiny_checkpoint("qwen2")
+    cfg = load_model_config(model_dir)
+    ids = list(range(5, 30))
+    logits = []
+    for fused in (True, False):
+        core = _engine(model_dir)
+        model = load_model(cfg, weight_files(model_dir), fused=fused)
+        assert hasattr(model.model.layers[0].self_attn, "qkv_proj") == fused
+        core.runner = ModelRunner(model, core.blocks.num_blocks, core.blocks.block_size, torch.device("cpu"), torch.float32)
+        logits.append(_prefill_logits(core, ids))
+    assert torch.allclose(logits[0], logits[1], atol=1e-5, rtol=0)
 
 
 def test_default_model_answers_paris(default_model_dir):

@@ -39,13 +39,30 @@ def resolve_placement(cfg: EngineConfig, model_cfg: ModelConfig) -> Placement:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise HotstartError("--device cuda: no CUDA device is available")
     if cfg.dtype == "auto":
-        # CPUs compute float32 faster and exactly; GPUs run the checkpoint's own dtype.
-        name = "float32" if device.type == "cpu" else model_cfg.torch_dtype
+        # The checkpoint's own dtype wherever the hardware computes it natively: then CPU weights are
+        # zero-copy views of the page cache. Else float32.
+        name = model_cfg.torch_dtype
+        if device.type == "cpu" and name != "float32" and name not in _native_cpu_dtypes():
+            name = "float32"
     else:
         name = cfg.dtype
     if name not in ("float32", "float16", "bfloat16"):
         raise HotstartError(f"--dtype {name}: expected auto, bfloat16, float16 or float32")
     return Placement(device, getattr(torch, name))
+
+
+def _native_cpu_dtypes() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return set()
+    native = set()
+    if "avx512_bf16" in flags or "amx_bf16" in flags:
+        native.add("bfloat16")
+    if "avx512_fp16" in flags or "amx_fp16" in flags:
+        native.add("float16")
+    return native
 
 
 def max_model_len_for(cfg: EngineConfig, model_cfg: ModelConfig) -> int:

@@ -2,7 +2,9 @@
 
 The families differ only in flags read from config.json (ModelConfig): attention bias (Qwen2),
 q/k RMSNorm and explicit head_dim (Qwen3), tied embeddings, rope scaling. Parameter names follow
-the Hugging Face checkpoints, except the fused projections described by PACKED_MODULES.
+the Hugging Face checkpoints. With fused=True the q/k/v and gate/up projections are packed into one
+matmul each (PACKED_MODULES; worth it on GPUs, where weights are copied anyway); with fused=False
+every parameter is a checkpoint tensor as-is, so on CPU it can be a zero-copy view of the file.
 """
 
 from __future__ import annotations
@@ -21,19 +23,19 @@ PACKED_MODULES = {
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int):
+    def __init__(self, cfg: ModelConfig, max_positions: int, fused: bool):
         super().__init__()
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary, fused) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int | None = None):
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None, fused: bool = True):
         super().__init__()
-        self.cfg = cfg
-        self.model = Backbone(cfg, max_positions or cfg.max_position_embeddings)
+        self.cfg, self.fused = cfg, fused
+        self.model = Backbone(cfg, max_positions or cfg.max_position_embeddings, fused)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def packed_shard(self, param: str, proj: str) -> tuple[int, int]:

@@ -1,9 +1,11 @@
 """Build a model on the meta device and stream safetensors weights into it, strictly.
 
 Files are read in the given order and tensors in file-offset order (sequential I/O); the position
-is published through an optional LoadCursor so the API process's prefetcher stays just ahead.
-Unfused tensors are assigned (a zero-copy mmap view when device and dtype already match);
-fused projections (qkv, gate_up) are copied once into their packed parameter.
+is published through on_progress (the engine feeds the LoadCursor that keeps the API process's
+prefetcher just ahead). Unfused tensors are assigned: on CPU in the checkpoint's dtype that is a
+zero-copy view of the (page-cached) file, so a warm load costs almost nothing and the weights are
+not held twice in RAM. Fused projections (qkv, gate_up; GPUs) are copied once into their packed
+parameter.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 FLOAT_DTYPES = {"F32", "F16", "BF16"}
 
 
-def _target(name: str) -> tuple[str, str | None]:
+def _target(name: str, fused: bool) -> tuple[str, str | None]:
     """Checkpoint tensor name -> (model parameter name, packed projection or None)."""
+    if not fused:
+        return name, None
     parts = name.split(".")
     for packed, projs in PACKED_MODULES.items():
         for proj in projs:
@@ -47,12 +51,16 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     max_positions: int | None = None,
     on_progress: Callable[[int], None] | None = None,
+    fused: bool | None = None,
 ) -> CausalLM:
     """Build CausalLM(cfg) and fill every parameter from FILES. on_progress gets the global byte offset
-    (sum of earlier file sizes + offset in the current file) after each tensor."""
+    (sum of earlier file sizes + offset in the current file) after each tensor. fused: pack q/k/v and
+    gate/up (default: on GPUs only)."""
     device = torch.device(device)
+    if fused is None:
+        fused = device.type != "cpu"
     with torch.device("meta"):
-        model = CausalLM(cfg, max_positions)
+        model = CausalLM(cfg, max_positions, fused)
     expected = {n: p for n, p in model.named_parameters()}
     filled: dict[str, set[str | None]] = {}  # parameter -> checkpoint projections loaded (None: unfused)
     packed_buffers: dict[str, torch.Tensor] = {}
@@ -66,7 +74,7 @@ def load_model(
                 name = info.name
                 if name.endswith(IGNORED_SUFFIXES):
                     continue
-                target, proj = _target(name)
+                target, proj = _target(name, fused)
                 if target not in expected:
                     if name == "lm_head.weight" and cfg.tie_word_embeddings:
                         continue  # tied: the embedding serves as the output projection

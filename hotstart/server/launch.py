@@ -82,7 +82,6 @@ def run_serve(args: argparse.Namespace, t0: float) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(message)s", stream=sys.stderr)
     signal.signal(signal.SIGTERM, _on_signal_before_loop)
     timeline = Timeline(t0)
-    timeline.log = lambda line: log.info(line)  # one log line per phase
     serial = _serial()
     prespawn = args.prespawn and not serial
     launcher = EngineLauncher(use_forkserver=prespawn)

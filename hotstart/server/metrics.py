@@ -1,0 +1,71 @@
+"""Prometheus metrics for one app (torch-free).
+
+Each Metrics owns a private CollectorRegistry, so two apps in one process (tests, several servers)
+never collide on metric names. Engine gauges are read from EngineClient.stats when /metrics is
+scraped, not pushed on every engine step, so the busy path pays nothing for them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+if TYPE_CHECKING:
+    from hotstart.messages import EngineStats
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+# Seconds; spans a warm single-token answer on a GPU to a long CPU generation.
+_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class Metrics:
+    """Counters, gauges and histograms of one server; `render()` is the /metrics body."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("hotstart_http_requests", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("hotstart_prompt_tokens", "Prompt tokens of accepted requests",
+                                     registry=r)
+        self.generation_tokens = Counter("hotstart_generation_tokens", "Tokens generated", registry=r)
+        self.finished = Counter("hotstart_request_finished", "Generation requests by finish reason",
+                                ["finish_reason"], registry=r)
+        self.ttft = Histogram("hotstart_time_to_first_token_seconds",
+                              "From request arrival to its first generated token", buckets=_TTFT_BUCKETS,
+                              registry=r)
+        self.e2e = Histogram("hotstart_e2e_request_latency_seconds",
+                             "From request arrival to its last generated token", buckets=_E2E_BUCKETS,
+                             registry=r)
+        self.running = Gauge("hotstart_num_requests_running", "Requests the engine is running", registry=r)
+        self.waiting = Gauge("hotstart_num_requests_waiting", "Requests waiting in the engine", registry=r)
+        self.kv_usage = Gauge("hotstart_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use",
+                              registry=r)
+        self.preemptions = Gauge("hotstart_num_preemptions", "Preemptions so far (engine total)",
+                                 registry=r)
+        self.ready = Gauge("hotstart_engine_ready", "1 once the engine serves requests", registry=r)
+        self.startup = Gauge("hotstart_startup_duration_seconds",
+                             "From `hotstart serve` to the engine being ready (set by the serve command)",
+                             registry=r)
+
+    def set_startup_duration(self, seconds: float) -> None:
+        """Called once by the serve command when the server becomes ready."""
+        self.startup.set(seconds)
+
+    def observe_request(self, endpoint: str, status: int | str) -> None:
+        self.requests.labels(endpoint, str(status)).inc()
+
+    def update_engine(self, stats: EngineStats | None, ready: bool) -> None:
+        self.ready.set(1 if ready else 0)
+        if stats is None:
+            return
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)
+        self.preemptions.set(stats.num_preemptions)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
