@@ -92,9 +92,14 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "serve":
+            # t=0: the forkserver starts importing torch before this process imports anything more.
+            from hotstart.boot.prespawn import EngineLauncher, serial_baseline  # noqa: PLC0415
+
+            launcher = EngineLauncher(use_forkserver=args.prespawn and not serial_baseline())
+            launcher.start()
             from hotstart.server.launch import run_serve  # noqa: PLC0415
 
-            return run_serve(args, T0)
+            return run_serve(args, T0, launcher)
         if args.command == "generate":
             from hotstart.engine.generate import run_generate  # noqa: PLC0415
 

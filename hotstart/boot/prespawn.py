@@ -11,16 +11,23 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from typing import TYPE_CHECKING
 
-import msgspec
-
-from hotstart.config import EngineConfig
+if TYPE_CHECKING:
+    from hotstart.config import EngineConfig
 
 STOP_GRACE_S = 3.0
+
+
+def serial_baseline() -> bool:
+    """HOTSTART_SERIAL=1: every fast-start mechanism off (the baseline the benchmarks compare to)."""
+    return os.environ.get("HOTSTART_SERIAL", "").lower() in ("1", "true", "yes")
 
 
 class EngineLauncher:
@@ -28,6 +35,9 @@ class EngineLauncher:
 
     def __init__(self, use_forkserver: bool = True):
         self.use_forkserver = use_forkserver and hasattr(os, "fork")
+        # Private folder for the engine's zmq ipc sockets: unique per server, so two run side by side.
+        self.ipc_dir = tempfile.mkdtemp(prefix="hotstart-ipc-")
+        self.generation = 0  # bumped per engine: a replacement never sees its predecessor's sockets
         self.server: subprocess.Popen | None = None
         self.direct: subprocess.Popen | None = None
         self.engine_pid: int | None = None
@@ -49,8 +59,17 @@ class EngineLauncher:
         ours.setblocking(False)
         self._sock = ours
 
-    def spawn(self, cfg: EngineConfig, in_addr: str, out_addr: str) -> None:
+    def addresses(self) -> tuple[str, str]:
+        """(requests in, outputs out) zmq addresses of the current engine generation."""
+        return (f"ipc://{self.ipc_dir}/in-{self.generation}", f"ipc://{self.ipc_dir}/out-{self.generation}")
+
+    def spawn(self, cfg: EngineConfig, new_generation: bool = False) -> None:
         """Ask for an engine process. With the forkserver this returns at once (it forks when ready)."""
+        if new_generation:
+            self.generation += 1
+        import msgspec  # noqa: PLC0415 - not needed to start the forkserver, which is the t=0 step
+
+        in_addr, out_addr = self.addresses()
         payload = msgspec.to_builtins(cfg)
         if self._sock is not None:
             line = json.dumps({"cmd": "spawn", "config": payload, "in": in_addr, "out": out_addr}) + "\n"
@@ -129,3 +148,4 @@ class EngineLauncher:
         if self.engine_pid is not None:  # an engine the forkserver could not reap
             self.kill_engine()
             self.engine_pid = None
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)

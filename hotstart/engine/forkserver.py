@@ -4,7 +4,7 @@ Started by the API process at t=0 (`python -m hotstart.engine.forkserver FD`), i
 socketpair with newline-delimited JSON:
   API -> server:  {"cmd": "spawn", "config": {...EngineConfig}, "in": ADDR, "out": ADDR}
   server -> API:  {"event": "preloaded", "start": T, "end": T}    (torch + engine imported)
-                  {"event": "spawned", "pid": N, "time": T}
+                  {"event": "spawned", "pid": N, "start": T, "time": T}
                   {"event": "exited", "pid": N, "code": C}         (C < 0: killed by signal -C)
 The server forks only from its single main thread, before any torch op ran, so the child is safe.
 It dies with the API process (PR_SET_PDEATHSIG) and kills its engines when the socket closes.
@@ -124,9 +124,10 @@ def serve(fd: int) -> int:
                 line, buf = buf.split(b"\n", 1)
                 cmd = json.loads(line)
                 if cmd.get("cmd") == "spawn":
+                    start = time.time()
                     pid = _fork_engine(sock, cmd)
                     children.add(pid)
-                    _send(sock, {"event": "spawned", "pid": pid, "time": time.time()})
+                    _send(sock, {"event": "spawned", "pid": pid, "start": start, "time": time.time()})
                 elif cmd.get("cmd") == "stop":
                     stopping = True
     finally:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from hotstart.config import ModelConfig
-from hotstart.model.layers import AttnMetadata, DecoderLayer, RMSNorm, RotaryEmbedding
+from hotstart.model.layers import AttnMetadata, DecoderLayer, Embedding, Linear, RMSNorm, RotaryEmbedding
 
 # fused parameter -> the checkpoint projections it packs, in order along dim 0
 PACKED_MODULES = {
@@ -26,7 +26,7 @@ class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int, fused: bool):
         super().__init__()
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary, fused) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -36,7 +36,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.cfg, self.fused = cfg, fused
         self.model = Backbone(cfg, max_positions or cfg.max_position_embeddings, fused)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def packed_shard(self, param: str, proj: str) -> tuple[int, int]:
         """(start, size) along dim 0 of a fused parameter for one checkpoint projection."""

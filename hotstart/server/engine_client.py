@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
-import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -46,24 +44,16 @@ class EngineClient:
         self.restarts = 0
         self.on_fatal: Callable[[str], None] | None = None
         self.on_ready: Callable[[], None] | None = None
-        self._dir = tempfile.mkdtemp(prefix="hotstart-ipc-")
-        self._gen = 0
         self._queues: dict[str, asyncio.Queue] = {}
         self._ctx: zmq.asyncio.Context | None = None
         self._push = self._pull = None
         self._reader_task: asyncio.Task | None = None
         self._closing = False
-        self._spawned_at: float | None = None
 
     # --- lifecycle --------------------------------------------------------------------------
-    def _addrs(self) -> tuple[str, str]:
-        return (f"ipc://{self._dir}/in-{self._gen}", f"ipc://{self._dir}/out-{self._gen}")
-
-    def spawn(self) -> None:
+    def spawn(self, new_generation: bool = False) -> None:
         """Ask for the engine process now (sync; callable before the event loop exists)."""
-        in_addr, out_addr = self._addrs()
-        self._spawned_at = time.time()
-        self.launcher.spawn(self.cfg, in_addr, out_addr)
+        self.launcher.spawn(self.cfg, new_generation)
 
     async def start(self) -> None:
         """Bind the sockets and start listening (inside the event loop)."""
@@ -77,7 +67,7 @@ class EngineClient:
         self._on_launcher_event()
 
     def _bind(self) -> None:
-        in_addr, out_addr = self._addrs()
+        in_addr, out_addr = self.launcher.addresses()
         self._push = self._ctx.socket(zmq.PUSH)
         self._push.setsockopt(zmq.LINGER, 0)
         self._push.bind(in_addr)
@@ -97,9 +87,7 @@ class EngineClient:
             if kind == "preloaded":
                 self.timeline.add("forkserver up (torch + engine imported)", ev["start"], ev["end"], "forkserver")
             elif kind == "spawned":
-                start = self._spawned_at if self._spawned_at and self._spawned_at > ev["time"] - 5 else ev["time"]
-                self.timeline.add("engine forked", min(start, ev["time"]), ev["time"], "forkserver",
-                                  f"pid {ev['pid']}")
+                self.timeline.add("engine forked", ev["start"], ev["time"], "forkserver", f"pid {ev['pid']}")
             elif kind in ("exited", "server-exited") and not self._closing:
                 if kind == "server-exited" or ev.get("pid") == self.launcher.engine_pid or self.launcher.engine_pid is None:
                     self._engine_died(ev)
@@ -128,9 +116,8 @@ class EngineClient:
             s.close(linger=0)
         if self._reader_task is not None:
             self._reader_task.cancel()
-        self._gen += 1
+        self.spawn(new_generation=True)
         self._bind()
-        self.spawn()
 
     def _fail(self, message: str) -> None:
         self.fatal = message
@@ -192,7 +179,6 @@ class EngineClient:
                 s.close(linger=0)
         if self._ctx is not None:
             self._ctx.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
 
     # --- requests ---------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],

@@ -13,7 +13,6 @@ engine is spawned only once the API process is otherwise ready.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import logging
 import os
@@ -22,17 +21,13 @@ import socket
 import sys
 import time
 
-from hotstart.boot.prespawn import EngineLauncher
+from hotstart.boot.prespawn import EngineLauncher, serial_baseline
 from hotstart.boot.timeline import Timeline
 from hotstart.config import EngineConfig
 from hotstart.errors import HotstartError
 
 log = logging.getLogger("hotstart")
 GRACEFUL_SHUTDOWN_S = 3
-
-
-def _serial() -> bool:
-    return os.environ.get("HOTSTART_SERIAL", "").lower() in ("1", "true", "yes")
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -55,49 +50,48 @@ def _on_signal_before_loop(signum, frame):  # noqa: ARG001
     raise SystemExit(128 + signum)
 
 
-def _start_prefetch(args: argparse.Namespace, model_path, files, timeline: Timeline):
-    """Start the sidecar and weight prefetchers; return (weights prefetcher or None, cursor or None)."""
-    from hotstart.boot.cursor import LoadCursor  # noqa: PLC0415
+def _start_prefetch(args: argparse.Namespace, model_path, files, cursor, timeline: Timeline):
+    """Start the sidecar and weight prefetchers (daemon threads, reads only); the weights one or None."""
     from hotstart.boot.prefetch import Prefetcher  # noqa: PLC0415
     from hotstart.boot.resolve import sidecar_files  # noqa: PLC0415
     from hotstart.boot.storage import PrefetchOverrides, plan_for  # noqa: PLC0415
 
-    with timeline.phase("prefetch planned"):
+    with timeline.phase("prefetch started") as ev:
         overrides = PrefetchOverrides(threads=args.prefetch_threads, block_mib=args.prefetch_block_mb)
         try:
             plan = plan_for(files, overrides)
         except ValueError as e:
             raise HotstartError(str(e)) from None
-        Prefetcher(sidecar_files(model_path), plan_for(sidecar_files(model_path), overrides)).start()
-        if not plan.enabled:
-            log.info("hotstart: weight prefetch off: %s", plan.reason)
-            return None, None
-        cursor = LoadCursor.create()
-        prefetcher = Prefetcher(files, plan, cursor).start()
-    log.info("hotstart: prefetching weights: %s", plan.reason)
-    return prefetcher, cursor
+        sidecars = sidecar_files(model_path)
+        Prefetcher(sidecars, plan_for(sidecars, overrides)).start()
+        ev.detail = plan.reason if plan.enabled else f"off: {plan.reason}"
+        prefetcher = Prefetcher(files, plan, cursor).start() if plan.enabled else None
+    log.info("hotstart: weight prefetch %s", ev.detail)
+    return prefetcher
 
 
-def run_serve(args: argparse.Namespace, t0: float) -> int:
+def run_serve(args: argparse.Namespace, t0: float, launcher: EngineLauncher) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(message)s", stream=sys.stderr)
     signal.signal(signal.SIGTERM, _on_signal_before_loop)
     timeline = Timeline(t0)
-    serial = _serial()
-    prespawn = args.prespawn and not serial
-    launcher = EngineLauncher(use_forkserver=prespawn)
+    serial = serial_baseline()
+    prespawn = launcher.use_forkserver
+    if launcher.started_at is not None:
+        timeline.add("forkserver launched", t0, launcher.started_at)
     prefetcher = cursor = None
     client = None
     try:
-        if prespawn:
-            with timeline.phase("forkserver launched"):
-                launcher.start()
         from hotstart.boot.resolve import resolve_model, weight_files  # noqa: PLC0415
 
-        with timeline.phase("model resolved"):
+        with timeline.phase("model resolved") as ev:
             model = resolve_model(args.model, args.revision)
             files = weight_files(model.path)
-        if args.prefetch and not serial:
-            prefetcher, cursor = _start_prefetch(args, model.path, files, timeline)
+            ev.detail = f"{model.source}: {model.path}"
+        use_prefetch = args.prefetch and not serial
+        if use_prefetch:
+            from hotstart.boot.cursor import LoadCursor  # noqa: PLC0415
+
+            cursor = LoadCursor.create()
         engine_cfg = EngineConfig(
             model_path=str(model.path), weight_files=tuple(str(f) for f in files), device=args.device,
             dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
@@ -105,12 +99,14 @@ def run_serve(args: argparse.Namespace, t0: float) -> int:
             gpu_memory_utilization=args.gpu_memory_utilization,
             cursor_path=cursor.path if cursor is not None else None, t0=t0,
         )
+        if prespawn:
+            with timeline.phase("engine config sent"):
+                launcher.spawn(engine_cfg)  # the forkserver forks the engine once its preload is done
+        if use_prefetch:
+            prefetcher = _start_prefetch(args, model.path, files, cursor, timeline)
         from hotstart.server.engine_client import EngineClient  # noqa: PLC0415
 
         client = EngineClient(launcher, engine_cfg, timeline, auto_restart=args.restart)
-        if prespawn:
-            with timeline.phase("engine config sent"):
-                client.spawn()
         with timeline.phase("web stack imported"):
             from hotstart.server.api import ApiSettings, build_app  # noqa: PLC0415
             from hotstart.server.tokenizer import Tokenizer  # noqa: PLC0415
@@ -131,6 +127,8 @@ def run_serve(args: argparse.Namespace, t0: float) -> int:
         if not prespawn:
             with timeline.phase("engine spawned"):
                 client.spawn()
+        import asyncio  # noqa: PLC0415
+
         return asyncio.run(_serve(app, sock, client, args, prefetcher))
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -155,6 +153,8 @@ async def _serve(app, sock: socket.socket, client, args: argparse.Namespace, pre
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     server = Server(config)
+    import asyncio  # noqa: PLC0415
+
     loop = asyncio.get_running_loop()
     signals_seen = []
 
