@@ -82,7 +82,32 @@ def _fail(message: str) -> int:
     return 2
 
 
+def _audit_imports(path: str) -> None:
+    """HOTSTART_AUDIT_IMPORTS=FILE: record every import made off the main thread, written at exit.
+    The tests use it to prove that background threads only do I/O."""
+    import atexit  # noqa: PLC0415
+    import json  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+
+    main_thread = threading.main_thread()
+    off_main: list[list[str]] = []
+
+    def hook(event: str, args: tuple) -> None:
+        if event == "import" and threading.current_thread() is not main_thread:
+            off_main.append([args[0], threading.current_thread().name])
+
+    def dump() -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({"off_main_thread": off_main, "torch_imported": "torch" in sys.modules,
+                       "modules": len(sys.modules)}, f)
+
+    sys.addaudithook(hook)
+    atexit.register(dump)
+
+
 def main(argv: list[str] | None = None) -> int:
+    if os.environ.get("HOTSTART_AUDIT_IMPORTS"):
+        _audit_imports(os.environ["HOTSTART_AUDIT_IMPORTS"])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
@@ -93,13 +118,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             # t=0: the forkserver starts importing torch before this process imports anything more.
-            from hotstart.boot.prespawn import EngineLauncher, serial_baseline  # noqa: PLC0415
+            from hotstart.boot.prespawn import EngineLauncher, exit_on_sigterm, serial_baseline  # noqa: PLC0415
 
+            exit_on_sigterm()
             launcher = EngineLauncher(use_forkserver=args.prespawn and not serial_baseline())
-            launcher.start()
-            from hotstart.server.launch import run_serve  # noqa: PLC0415
+            try:
+                launcher.start()
+                from hotstart.server.launch import run_serve  # noqa: PLC0415
 
-            return run_serve(args, T0, launcher)
+                return run_serve(args, T0, launcher)
+            finally:
+                launcher.shutdown()
         if args.command == "generate":
             from hotstart.engine.generate import run_generate  # noqa: PLC0415
 

@@ -25,6 +25,18 @@ if TYPE_CHECKING:
 STOP_GRACE_S = 3.0
 
 
+def _raise_exit(signum, frame):  # noqa: ARG001
+    raise SystemExit(128 + signum)
+
+
+def exit_on_sigterm() -> None:
+    """Until the event loop takes over: SIGTERM unwinds through `finally` blocks, which stop the
+    forkserver and remove temporary folders (the default action would just vanish)."""
+    import signal  # noqa: PLC0415
+
+    signal.signal(signal.SIGTERM, _raise_exit)
+
+
 def serial_baseline() -> bool:
     """HOTSTART_SERIAL=1: every fast-start mechanism off (the baseline the benchmarks compare to)."""
     return os.environ.get("HOTSTART_SERIAL", "").lower() in ("1", "true", "yes")
@@ -127,8 +139,10 @@ class EngineLauncher:
                 pass
 
     def shutdown(self, timeout: float = STOP_GRACE_S) -> None:
-        """Stop the forkserver (it stops its engines) or the direct engine; SIGKILL past TIMEOUT."""
+        """Stop the forkserver (it stops its engines) or the direct engine; SIGKILL past TIMEOUT.
+        Idempotent. A forkserver still importing torch dies at once (SIGTERM's default action)."""
         procs = [p for p in (self.server, self.direct) if p is not None]
+        self.server = self.direct = None
         if self._sock is not None:
             try:
                 self._sock.close()  # EOF: the forkserver terminates its engines and exits
@@ -136,7 +150,7 @@ class EngineLauncher:
                 pass
             self._sock = None
         for p in procs:
-            if p is self.direct and p.poll() is None:
+            if p.poll() is None:
                 p.terminate()
         deadline = time.monotonic() + timeout
         for p in procs:

@@ -100,7 +100,10 @@ def _kill_all(children: set[int]) -> None:
 
 def serve(fd: int) -> int:
     sock = socket.socket(fileno=fd)
-    _send(sock, {"event": "preloaded", "start": T_IMPORT, "end": T_PRELOADED})
+    try:
+        _send(sock, {"event": "preloaded", "start": T_IMPORT, "end": T_PRELOADED})
+    except OSError:
+        return 0  # the API process went away while we imported torch
     children: set[int] = set()
     buf = b""
     stopping = False
@@ -116,7 +119,10 @@ def serve(fd: int) -> int:
             _reap(sock, children)
             if not ready:
                 continue
-            chunk = sock.recv(1 << 16)
+            try:
+                chunk = sock.recv(1 << 16)
+            except OSError:
+                chunk = b""
             if not chunk:
                 break  # the API process is gone or closed us
             buf += chunk
@@ -127,7 +133,10 @@ def serve(fd: int) -> int:
                     start = time.time()
                     pid = _fork_engine(sock, cmd)
                     children.add(pid)
-                    _send(sock, {"event": "spawned", "pid": pid, "start": start, "time": time.time()})
+                    try:
+                        _send(sock, {"event": "spawned", "pid": pid, "start": start, "time": time.time()})
+                    except OSError:
+                        break  # the API process is gone: stop the engine too
                 elif cmd.get("cmd") == "stop":
                     stopping = True
     finally:

@@ -42,6 +42,8 @@ class EngineClient:
         self.stats = EngineStats()
         self.fatal: str | None = None
         self.restarts = 0
+        self.recovery_seconds: list[float] = []  # engine death -> replacement ready, per restart
+        self._died_at: float | None = None
         self.on_fatal: Callable[[str], None] | None = None
         self.on_ready: Callable[[], None] | None = None
         self._queues: dict[str, asyncio.Queue] = {}
@@ -105,6 +107,7 @@ class EngineClient:
         self._queues.clear()
         can_restart = self.auto_restart and was_ready and self.launcher.use_forkserver and ev.get("event") == "exited"
         if can_restart:
+            self._died_at = time.time()
             self.restarts += 1
             self.phase = "restarting"
             self._rebind_and_respawn()
@@ -143,12 +146,19 @@ class EngineClient:
                     if q is not None:
                         q.put_nowait(out)
             elif isinstance(msg, Phase):
-                self.timeline.add(msg.name, msg.start, msg.end, msg.process, msg.detail)
+                if self._died_at is None:  # a replacement engine's phases are not part of startup
+                    self.timeline.add(msg.name, msg.start, msg.end, msg.process, msg.detail)
                 self.phase = msg.name
             elif isinstance(msg, EngineReady):
                 self.info = msg
                 self.ready = True
                 self.phase = "ready"
+                if self._died_at is not None:
+                    took = time.time() - self._died_at
+                    self.recovery_seconds.append(took)
+                    self._died_at = None
+                    log.info("hotstart: engine replaced in %.2f s (forked from the warm forkserver)", took)
+                    continue
                 self.timeline.mark("engine ready", "engine")
                 if self.on_ready is not None:
                     self.on_ready()

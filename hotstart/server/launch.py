@@ -46,10 +46,6 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _on_signal_before_loop(signum, frame):  # noqa: ARG001
-    raise SystemExit(128 + signum)
-
-
 def _start_prefetch(args: argparse.Namespace, model_path, files, cursor, timeline: Timeline):
     """Start the sidecar and weight prefetchers (daemon threads, reads only); the weights one or None."""
     from hotstart.boot.prefetch import Prefetcher  # noqa: PLC0415
@@ -72,7 +68,6 @@ def _start_prefetch(args: argparse.Namespace, model_path, files, cursor, timelin
 
 def run_serve(args: argparse.Namespace, t0: float, launcher: EngineLauncher) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(message)s", stream=sys.stderr)
-    signal.signal(signal.SIGTERM, _on_signal_before_loop)
     timeline = Timeline(t0)
     serial = serial_baseline()
     prespawn = launcher.use_forkserver
@@ -131,9 +126,7 @@ def run_serve(args: argparse.Namespace, t0: float, launcher: EngineLauncher) -> 
 
         return asyncio.run(_serve(app, sock, client, args, prefetcher))
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        if client is None:
-            launcher.shutdown()
+        launcher.shutdown()  # no-op after a clean serve; bounded otherwise
         if args.startup_trace:
             with contextlib.suppress(OSError):
                 timeline.write_chrome_trace(args.startup_trace)
