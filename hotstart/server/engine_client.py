@@ -165,6 +165,10 @@ class EngineClient:
             elif isinstance(msg, EngineFailed):
                 self._fail(msg.message)
 
+    def begin_shutdown(self) -> None:
+        """The server is stopping: engine or forkserver exits from now on are expected, not failures."""
+        self._closing = True
+
     async def close(self, timeout: float = 3.0) -> None:
         """Stop the engine (Shutdown message, then the launcher's bounded stop) and free sockets."""
         self._closing = True

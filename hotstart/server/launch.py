@@ -62,13 +62,13 @@ def _start_prefetch(args: argparse.Namespace, model_path, files, cursor, timelin
         Prefetcher(sidecars, plan_for(sidecars, overrides)).start()
         ev.detail = plan.reason if plan.enabled else f"off: {plan.reason}"
         prefetcher = Prefetcher(files, plan, cursor).start() if plan.enabled else None
-    log.info("hotstart: weight prefetch %s", ev.detail)
     return prefetcher
 
 
 def run_serve(args: argparse.Namespace, t0: float, launcher: EngineLauncher) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(message)s", stream=sys.stderr)
     timeline = Timeline(t0)
+    timeline.on_event = lambda ev: log.info(timeline.log_line(ev))  # one log line per phase
     serial = serial_baseline()
     prespawn = launcher.use_forkserver
     if launcher.started_at is not None:
@@ -131,8 +131,7 @@ def run_serve(args: argparse.Namespace, t0: float, launcher: EngineLauncher) -> 
             with contextlib.suppress(OSError):
                 timeline.write_chrome_trace(args.startup_trace)
         if cursor is not None:
-            cursor.close()
-            cursor.unlink()
+            cursor.close()  # the owner's close removes its folder
 
 
 async def _serve(app, sock: socket.socket, client, args: argparse.Namespace, prefetcher) -> int:
@@ -153,6 +152,7 @@ async def _serve(app, sock: socket.socket, client, args: argparse.Namespace, pre
 
     def on_signal(sig: int) -> None:
         signals_seen.append(sig)
+        client.begin_shutdown()
         if server.should_exit:
             server.force_exit = True
         server.should_exit = True

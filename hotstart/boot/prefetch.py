@@ -1,0 +1,308 @@
+"""Weight prefetch into the OS page cache, run by the API process while the engine starts.
+
+Daemon threads read the files in load order (files in list order, bytes sequentially within a file)
+with os.preadv into per-thread buffers allocated once. Before each block, mincore says which pages
+are already cached; only the missing runs are read, so a warm start reads ~0 bytes. With a
+LoadCursor, the prefetcher never reads what the loader has passed and stays at most `window_bytes`
+ahead of it, so it neither races the loader for the disk nor floods RAM.
+
+Rules this module keeps (see ../shared/facts.md): threads do I/O only and never import (everything is
+imported here at top level); nothing they do can raise into the caller (errors are recorded in
+stats); nothing waits on them without a timeout, and as daemons a hung read cannot block exit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import stat
+import threading
+import time
+from pathlib import Path
+
+from hotstart.boot.cursor import LoadCursor
+from hotstart.boot.residency import LOW_BIT, PAGE_SIZE, FileMap, pages
+from hotstart.boot.storage import PrefetchPlan
+
+# Resident gaps shorter than this inside a block are read through rather than splitting the read:
+# copying a cached page costs far less than another syscall and a break in the disk's stream.
+MERGE_GAP = 1 << 20
+# Bounded sleep while ahead of the loader (or while another thread opens a file): short enough to
+# follow a loader reading from cache, long enough not to keep taking the GIL from the main thread.
+POLL_S = 0.02
+_WAIT = object()
+
+
+class _File:
+    __slots__ = ("path", "size", "base", "fd", "fmap", "state", "inflight")
+
+    def __init__(self, path: str, size: int, base: int, state: str):
+        self.path, self.size, self.base = path, size, base
+        self.fd, self.fmap, self.inflight = -1, None, 0
+        self.state = state  # new | opening | open | failed | closed
+
+
+class Prefetcher:
+    """Reads `files` into the page cache following `plan`; see the module docstring.
+
+    `files` must be in the order the engine loads them, and global offsets (as published on `cursor`)
+    are the sum of the sizes of the earlier files plus the offset within the current one.
+    """
+
+    def __init__(self, files: list[Path], plan: PrefetchPlan, cursor: LoadCursor | None = None,
+                 window_bytes: int | None = None):
+        self.plan = plan
+        self._cursor = cursor
+        self._window = plan.window_bytes if window_bytes is None else window_bytes
+        # Block: a whole number of pages, and no larger than the window (else it could never be claimed).
+        block = min(plan.block_bytes, self._window) if cursor is not None else plan.block_bytes
+        self._block = max(PAGE_SIZE, block // PAGE_SIZE * PAGE_SIZE)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._finished = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._alive = 0
+        self._state = "disabled" if not plan.enabled else "idle"
+        self._t_start = self._t_end = None
+        self._read = self._skip_resident = self._skip_passed = 0
+        self._files_done = self._errors = 0
+        self._first_error: str | None = None
+        self._files: list[_File] = []
+        base = 0
+        for p in files:  # sizes now, in the caller's thread, so offsets match the loader's
+            path = os.fspath(p)
+            try:
+                st = os.stat(path)
+                if not stat.S_ISREG(st.st_mode):
+                    raise OSError(errno.EINVAL, "not a regular file")
+                self._files.append(_File(path, st.st_size, base, "new"))
+                base += st.st_size
+            except OSError as e:
+                self._files.append(_File(path, 0, base, "failed"))
+                self._record_error(path, e)
+        self._total = base
+        self._next = 0  # global offset of the next byte to claim
+        self._fi = 0  # index of the file being claimed
+        self._to_close: list = []
+
+    # ---- public API -------------------------------------------------------------------------------
+
+    def start(self) -> "Prefetcher":
+        """Launch the daemon threads (no-op if the plan is disabled or already started)."""
+        with self._lock:
+            if self._state != "idle":
+                return self
+            self._state = "running"
+            self._t_start = time.monotonic()
+            self._alive = self.plan.threads
+        for i in range(self.plan.threads):
+            t = threading.Thread(target=self._run, name=f"hotstart-prefetch-{i}", daemon=True)
+            try:
+                t.start()
+            except RuntimeError as e:  # can't start a thread (limits): run with fewer, or none
+                with self._lock:
+                    self._record_error("prefetch", e)
+                    self._alive -= self.plan.threads - i
+                    if self._alive == 0:
+                        self._state, self._t_end = "stopped", time.monotonic()
+                        self._finished.set()
+                break
+            self._threads.append(t)
+        return self
+
+    def stop(self) -> None:
+        """Ask the threads to exit after their current block. Does not wait; see wait()."""
+        self._stop.set()
+
+    def wait(self, timeout: float | None) -> bool:
+        """True once all threads have exited (or nothing was started); False on timeout."""
+        with self._lock:
+            if self._state in ("idle", "disabled"):
+                return True
+        return self._finished.wait(timeout)
+
+    def stats(self) -> dict:
+        """Progress snapshot; safe to call from any thread at any time (never blocks on I/O)."""
+        with self._lock:
+            end = self._t_end or time.monotonic()
+            elapsed = end - self._t_start if self._t_start is not None else 0.0
+            return {
+                "state": self._state, "reason": self.plan.reason,
+                "bytes_total": self._total, "bytes_read": self._read,
+                "bytes_skipped_resident": self._skip_resident, "bytes_skipped_passed": self._skip_passed,
+                "files_total": len(self._files), "files_done": self._files_done,
+                "errors": self._errors, "first_error": self._first_error,
+                "elapsed_s": round(elapsed, 6),
+                "gbps": round(self._read / elapsed / 1e9, 3) if elapsed else 0.0,
+                "frontier": self._next, "threads": self.plan.threads, "block_bytes": self._block,
+                "window_bytes": self._window,
+                "loader_position": self._cursor.position() if self._cursor is not None else -1,
+            }
+
+    # ---- worker ------------------------------------------------------------------------------------
+
+    def _record_error(self, path: str, e: BaseException) -> None:
+        msg = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        self._errors += 1
+        if self._first_error is None:
+            self._first_error = f"{path}: {msg}"
+
+    def _claim(self):
+        """Next unit of work, under the lock: (file, offset, length), ("open", file), _WAIT or None."""
+        pos = self._cursor.position() if self._cursor is not None else -1
+        while self._fi < len(self._files):
+            f = self._files[self._fi]
+            end = f.base + f.size
+            if pos > self._next:  # the loader has passed this: never read behind it
+                target = min(pos, end)
+                if target < end:
+                    target -= (target - f.base) % PAGE_SIZE
+                if target > self._next:
+                    self._skip_passed += target - self._next
+                    self._next = target
+            if f.state == "failed" or self._next >= end:
+                self._next = max(self._next, end)
+                if f.state == "new":  # never opened: empty, or the loader passed it
+                    f.state = "closed"
+                    self._files_done += 1
+                elif self._closable(f):
+                    self._detach(f)
+                self._fi += 1
+                continue
+            n = min(self._block, end - self._next)
+            if pos >= 0 and self._next + n > pos + self._window:
+                return _WAIT  # far enough ahead of the loader
+            if f.state == "new":
+                f.state = "opening"
+                return ("open", f)
+            if f.state == "opening":
+                return _WAIT
+            off = self._next - f.base
+            self._next += n
+            f.inflight += 1
+            return f, off, n
+        return None
+
+    def _closable(self, f: _File) -> bool:
+        """Under the lock: no thread uses or will use f's descriptor any more."""
+        return f.fd >= 0 and f.inflight == 0 and (f.state == "failed" or self._next >= f.base + f.size)
+
+    def _detach(self, f: _File) -> None:
+        """Under the lock: hand f's descriptor to _to_close; closed outside the lock (close may block)."""
+        self._to_close.append((f.fd, f.fmap))
+        f.fd, f.fmap = -1, None
+        if f.state != "failed" and self._next >= f.base + f.size:
+            f.state = "closed"
+            self._files_done += 1
+
+    def _close_detached(self) -> None:
+        with self._lock:
+            todo, self._to_close = self._to_close, []
+        for fd, fmap in todo:
+            if fmap is not None:
+                fmap.close()
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _open(self, f: _File) -> None:
+        fd, fmap = -1, None
+        try:
+            fd = os.open(f.path, os.O_RDONLY | os.O_CLOEXEC)
+            size = os.fstat(fd).st_size
+            if size < f.size:
+                raise OSError(errno.EIO, f"file shrank from {f.size} to {size} bytes since planning")
+            fmap = FileMap(fd, f.size)
+        except OSError as e:
+            if fd >= 0:
+                os.close(fd)
+            with self._lock:
+                f.state = "failed"
+                self._record_error(f.path, e)
+            return
+        with self._lock:
+            f.fd, f.fmap, f.state = fd, fmap, "open"
+            if self._closable(f):  # the loader jumped past it while we opened it
+                self._detach(f)
+
+    def _pread_fully(self, f: _File, offset: int, length: int, mv: memoryview) -> None:
+        done = 0
+        while done < length:
+            r = os.preadv(f.fd, [mv[done:length]], offset + done)
+            if r == 0:
+                raise OSError(errno.EIO, f"unexpected end of file at byte {offset + done} (truncated?)")
+            done += r
+            with self._lock:  # progress is visible per read, not per block
+                self._read += r
+
+    def _read_block(self, f: _File, off: int, n: int, mv: memoryview, vec) -> None:
+        """Read the non-resident pages of [off, off+n) of f, in runs, into the thread's buffer."""
+        npages = f.fmap.query(off, n, vec)
+        v = bytes(vec)[:npages].translate(LOW_BIT)  # 0/1 per page of this block
+        got = 0
+        i = v.find(0)
+        while i != -1:
+            j = v.find(1, i)
+            j = npages if j == -1 else j
+            while j < npages:  # swallow short resident gaps into this run
+                k = v.find(0, j)
+                if k == -1 or (k - j) * PAGE_SIZE > MERGE_GAP:
+                    break
+                j = v.find(1, k)
+                j = npages if j == -1 else j
+            start, length = off + i * PAGE_SIZE, min(j * PAGE_SIZE, n) - i * PAGE_SIZE
+            self._pread_fully(f, start, length, mv)
+            got += length
+            i = v.find(0, j) if j < npages else -1
+        with self._lock:
+            self._skip_resident += n - got
+
+    def _run(self) -> None:
+        buf = bytearray(self._block)  # one buffer per thread for its whole life
+        mv = memoryview(buf)
+        vec = (ctypes.c_ubyte * pages(self._block))()
+        try:
+            while not self._stop.is_set():
+                with self._lock:
+                    work = self._claim()
+                self._close_detached()
+                if work is None:
+                    break
+                if work is _WAIT:
+                    self._stop.wait(POLL_S)
+                    continue
+                if work[0] == "open":
+                    self._open(work[1])
+                    continue
+                f, off, n = work
+                try:
+                    self._read_block(f, off, n, mv, vec)
+                except Exception as e:  # best effort: record, skip the file, never raise
+                    with self._lock:
+                        if f.state != "failed":
+                            f.state = "failed"
+                            self._record_error(f.path, e)
+                finally:
+                    with self._lock:
+                        f.inflight -= 1
+                        if self._closable(f):
+                            self._detach(f)
+                    self._close_detached()
+        except Exception as e:  # a bug must not escape a daemon thread (excepthook would import)
+            with self._lock:
+                self._record_error("prefetch", e)
+        finally:
+            with self._lock:
+                self._alive -= 1
+                last = self._alive == 0
+                if last:
+                    for f in self._files:  # stopped early: release what is still open
+                        if f.fd >= 0:
+                            self._detach(f)
+                    self._state = "stopped" if self._fi < len(self._files) else "done"
+                    self._t_end = time.monotonic()
+            self._close_detached()
+            if last:
+                self._finished.set()

@@ -1,0 +1,219 @@
+"""What kind of storage holds the weights, and how (or whether) to prefetch them from it.
+
+`detect()` reads /proc/self/mountinfo and /sys; the parsing and policy are pure functions over text
+and numbers so tests can feed fake inputs. Defaults are measured: see docs/prefetch.md and
+benchmarks/prefetch_sweep.py.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Iterable
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+NETWORK_FSTYPES = frozenset({
+    "nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "ceph", "virtiofs", "9p", "glusterfs", "beegfs",
+    "gpfs", "afs", "ncpfs", "orangefs", "pvfs2", "wekafs", "panfs", "ocfs2", "gfs2", "davfs", "sshfs",
+})
+MEMORY_FSTYPES = frozenset({"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"})
+
+# Measured on the dev machine (virtio disk, 2 cores): see docs/prefetch.md. Threads barely help a
+# local disk, but 2 keep one read in flight while the other thread does its mincore/bookkeeping.
+LOCAL_THREADS = 2
+LOCAL_BLOCK_MIB = 16
+# High-latency storage needs many reads in flight; the limit keeps buffers at 8 x 16 MiB.
+NETWORK_THREADS = 8
+# Seeks kill a spinning disk: one sequential reader.
+ROTATIONAL_THREADS = 1
+DEFAULT_WINDOW_MIB = 1024
+DEFAULT_RAM_FRACTION = 0.5
+
+
+@dataclass(frozen=True)
+class Mount:
+    mount_point: str
+    fstype: str
+    source: str
+    majmin: str  # "254:0"
+
+
+@dataclass(frozen=True)
+class StorageInfo:
+    kind: str  # "rotational" | "network" | "local" | "memory" | "unknown"
+    fstype: str
+    device: str
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class PrefetchOverrides:
+    """User flags; any field left None keeps the policy's choice."""
+    enabled: bool | None = None  # False: never prefetch; True: prefetch even where policy would not
+    threads: int | None = None
+    block_mib: int | None = None
+    window_mib: int | None = None
+    ram_fraction: float = DEFAULT_RAM_FRACTION
+
+
+@dataclass(frozen=True)
+class PrefetchPlan:
+    enabled: bool
+    threads: int
+    block_bytes: int
+    reason: str
+    window_bytes: int = DEFAULT_WINDOW_MIB * MiB
+
+
+_OCTAL = re.compile(r"\\([0-7]{3})")
+
+
+def _unescape(field: str) -> str:
+    return _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), field)  # mountinfo writes " " as \040
+
+
+def parse_mountinfo(text: str) -> list[Mount]:
+    """Parse /proc/self/mountinfo text (proc(5)) in mount order."""
+    mounts = []
+    for line in text.splitlines():
+        fields = line.split()
+        if "-" not in fields or len(fields) < 5:
+            continue
+        sep = fields.index("-")
+        if len(fields) < sep + 3:
+            continue
+        mounts.append(Mount(_unescape(fields[4]), fields[sep + 1], _unescape(fields[sep + 2]), fields[2]))
+    return mounts
+
+
+def find_mount(mounts: Iterable[Mount], path: str) -> Mount | None:
+    """The mount holding absolute `path`: longest mount-point prefix; the later of equal ones wins
+    (it shadows the earlier)."""
+    best = None
+    for m in mounts:
+        mp = m.mount_point.rstrip("/") or "/"
+        if mp == "/" or path == mp or path.startswith(mp + "/"):
+            if best is None or len(mp) >= len(best.mount_point.rstrip("/") or "/"):
+                best = m
+    return best
+
+
+def block_device(majmin: str, sys_root: str = "/sys") -> tuple[str, bool | None, bool]:
+    """(disk name, rotational flag or None, is virtio) for a device number, resolving a partition to
+    its disk through /sys/dev/block."""
+    dev = os.path.realpath(os.path.join(sys_root, "dev", "block", majmin))
+    if not os.path.isdir(dev):
+        return "", None, False
+    if os.path.exists(os.path.join(dev, "partition")):
+        dev = os.path.dirname(dev)
+    try:
+        with open(os.path.join(dev, "queue", "rotational")) as f:
+            rotational = f.read().strip() == "1"
+    except OSError:
+        rotational = None
+    return os.path.basename(dev), rotational, "/virtio" in dev
+
+
+def classify(mount: Mount | None, sys_root: str = "/sys") -> StorageInfo:
+    """Storage kind for a mount (pure apart from reading `sys_root`)."""
+    if mount is None:
+        return StorageInfo("unknown", "", "")
+    fs = mount.fstype
+    if fs in MEMORY_FSTYPES:
+        return StorageInfo("memory", fs, mount.source)
+    if fs in NETWORK_FSTYPES or fs.startswith("fuse.") or fs.startswith("nfs"):
+        return StorageInfo("network", fs, mount.source)
+    name, rotational, virtio = block_device(mount.majmin, sys_root)
+    device = name or mount.source
+    if rotational and virtio:
+        # virtio-blk reports rotational=1 whatever backs it (it is so on the dev machine, an SSD-backed
+        # VM disk); the host schedules the I/O, so the local policy applies.
+        return StorageInfo("local", fs, device, "virtio disk reports rotational=1; treated as local")
+    if rotational:
+        return StorageInfo("rotational", fs, device)
+    return StorageInfo("local", fs, device)
+
+
+def detect(path: str | os.PathLike, mountinfo: str | None = None, sys_root: str = "/sys") -> StorageInfo:
+    """Storage kind of the filesystem holding `path`. Never raises: unknown inputs give "unknown"."""
+    try:
+        if mountinfo is None:
+            with open("/proc/self/mountinfo") as f:
+                mountinfo = f.read()
+        return classify(find_mount(parse_mountinfo(mountinfo), os.path.realpath(path)), sys_root)
+    except OSError:
+        return StorageInfo("unknown", "", "")
+
+
+def mem_available(meminfo: str | None = None) -> int | None:
+    """MemAvailable in bytes from /proc/meminfo text (read if not given); None if unknown."""
+    try:
+        if meminfo is None:
+            with open("/proc/meminfo") as f:
+                meminfo = f.read()
+    except OSError:
+        return None
+    for line in meminfo.splitlines():
+        if line.startswith("MemAvailable:"):
+            parts = line.split()
+            return int(parts[1]) * 1024 if len(parts) >= 2 and parts[1].isdigit() else None
+    return None
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def plan(info: StorageInfo, total_bytes: int, mem_available: int | None,
+         overrides: PrefetchOverrides | None = None) -> PrefetchPlan:
+    """Choose whether and how to prefetch `total_bytes` of weights from storage `info`."""
+    o = overrides or PrefetchOverrides()
+    if o.threads is not None and o.threads < 1:
+        raise ValueError(f"prefetch threads must be >= 1, got {o.threads}")
+    if o.block_mib is not None and o.block_mib < 1:
+        raise ValueError(f"prefetch block size must be >= 1 MiB, got {o.block_mib}")
+    if o.window_mib is not None and o.window_mib < 1:
+        raise ValueError(f"prefetch window must be >= 1 MiB, got {o.window_mib}")
+    if not 0 < o.ram_fraction <= 1:
+        raise ValueError(f"prefetch RAM fraction must be in (0, 1], got {o.ram_fraction}")
+
+    threads = {"rotational": ROTATIONAL_THREADS, "network": NETWORK_THREADS}.get(info.kind, LOCAL_THREADS)
+    threads = o.threads or threads
+    block = (o.block_mib or LOCAL_BLOCK_MIB) * MiB
+    window = (o.window_mib or DEFAULT_WINDOW_MIB) * MiB
+    where = f"{info.kind} storage ({info.fstype or '?'} on {info.device or '?'})"
+
+    def made(enabled: bool, reason: str) -> PrefetchPlan:
+        return PrefetchPlan(enabled, threads, block, reason, window)
+
+    if o.enabled is False:
+        return made(False, "disabled by flag")
+    if total_bytes <= 0:
+        return made(False, "nothing to prefetch")
+    if o.enabled:
+        return made(True, f"forced by flag; {where}: {threads} threads x {block // MiB} MiB")
+    if info.kind == "memory":
+        return made(False, f"already in RAM ({info.fstype})")
+    if mem_available is not None:
+        budget = int(mem_available * o.ram_fraction)
+        if total_bytes > budget:
+            return made(False, f"weights ({_gb(total_bytes)}) exceed {o.ram_fraction:.0%} of MemAvailable "
+                               f"({_gb(mem_available)}): prefetched pages would evict each other")
+    return made(True, f"{where}: {threads} threads x {block // MiB} MiB")
+
+
+def plan_for(files: Iterable[str | os.PathLike], overrides: PrefetchOverrides | None = None) -> PrefetchPlan:
+    """Convenience for the serve command: detect the storage of the first file, size the files, read
+    MemAvailable, and plan."""
+    files = list(files)
+    total = 0
+    for f in files:
+        try:
+            total += os.stat(f).st_size
+        except OSError:
+            pass  # the loader reports missing files; prefetch is best effort
+    info = detect(files[0]) if files else StorageInfo("unknown", "", "")
+    return plan(info, total, mem_available(), overrides)
