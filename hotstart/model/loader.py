@@ -91,7 +91,10 @@ def load_model(
                     raise WeightsError(f"{path}: tensor '{name}' has shape {list(info.shape)}, expected {list(want)}")
                 src = st.get(info)
                 if proj is None:
-                    _set_param(model, target, src.to(device=device, dtype=dtype))
+                    param = src.to(device=device, dtype=dtype)
+                    if param.data_ptr() == src.data_ptr():
+                        st.populate(info)  # zero-copy: read the bytes now, not in the first forward
+                    _set_param(model, target, param)
                 else:
                     buf = packed_buffers.get(target)
                     if buf is None:
