@@ -28,4 +28,8 @@ def _sample_row(logits: torch.Tensor, seq: Sequence) -> int:
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """logits: [N, V] float32, one row per sequence -> one token id each."""
     greedy = logits.argmax(dim=-1).tolist()
-    return [greedy[i] if s.params.temperature == 0 else _sample_row(logits[i], s) for i, s in enumerate(seqs)]
+    if all(s.params.temperature == 0 for s in seqs):
+        return greedy
+    # Random sampling runs on the CPU: per-request seeded generators live there, whatever the device.
+    host = logits.cpu()
+    return [greedy[i] if s.params.temperature == 0 else _sample_row(host[i], s) for i, s in enumerate(seqs)]
