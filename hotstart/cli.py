@@ -13,39 +13,73 @@ T0 = time.time()  # launch time as seen by the CLI (the timeline's zero)
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the model runs")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                   help="auto: float32 on CPU, the checkpoint's dtype on CUDA")
-    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion (tokens)")
+                   help="auto: the checkpoint's dtype where the hardware computes it natively, else float32")
+    p.add_argument("--max-model-len", type=_at_least_one, default=None,
+                   help="longest prompt + completion (tokens)")
     p.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) in the local cache")
 
 
-def _positive_int(text: str) -> int:
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line, like every other hotstart error (subparsers inherit the class)."""
+
+    def error(self, message: str):  # noqa: ANN201 - argparse's signature
+        self.exit(2, f"hotstart: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _int_in(low: int, high: int | None = None):
+    """An argparse type: an integer in [LOW, HIGH]."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bounds = f"from {low} to {high}" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"expected an integer {bounds}, got {value}")
+        return value
+    return parse
+
+
+_positive_int = _int_in(0)  # 0 allowed: --port 0, --max-tokens 0 ...
+_at_least_one = _int_in(1)
+_port = _int_in(0, 65535)
+
+
+def _fraction(text: str) -> float:
     try:
-        value = int(text)
+        value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text}")
     return value
 
 
+def _name(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a non-empty name")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hotstart", description="An OpenAI-compatible LLM server that starts fast.")
+    parser = _Parser(prog="hotstart", description="An OpenAI-compatible LLM server that starts fast.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     s.add_argument("model", nargs="?", default=None,
                    help="model folder, hub id in the local HF/ModelScope cache, or nothing for the default model")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 to expose)")
-    s.add_argument("--port", type=_positive_int, default=8000, help="port (0 picks a free one and prints it)")
+    s.add_argument("--port", type=_port, default=8000, help="port (0 picks a free one and prints it)")
     _add_engine_args(s)
-    s.add_argument("--max-num-seqs", type=_positive_int, default=64, help="most sequences batched in one step")
-    s.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048, help="token budget of one step")
-    s.add_argument("--kv-cache-memory", type=_positive_int, default=None, help="bytes for the KV cache")
-    s.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory to use")
-    s.add_argument("--served-model-name", action="append", default=None, help="name(s) clients use for the model")
+    s.add_argument("--max-num-seqs", type=_at_least_one, default=64, help="most sequences batched in one step")
+    s.add_argument("--max-num-batched-tokens", type=_at_least_one, default=2048, help="token budget of one step")
+    s.add_argument("--kv-cache-memory", type=_at_least_one, default=None, help="bytes for the KV cache")
+    s.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9, help="fraction of GPU memory to use")
+    s.add_argument("--served-model-name", action="append", type=_name, default=None,
+                   help="name(s) clients use for the model")
     s.add_argument("--api-key", default=os.environ.get("HOTSTART_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (or set HOTSTART_API_KEY)")
-    s.add_argument("--max-request-bytes", type=_positive_int, default=1 << 20, help="largest accepted request body")
+    s.add_argument("--max-request-bytes", type=_at_least_one, default=1 << 20, help="largest accepted request body")
     s.add_argument("--no-prespawn", dest="prespawn", action="store_false",
                    help="start the engine after the API is up, as a fresh interpreter (ablation)")
     s.add_argument("--no-prefetch", dest="prefetch", action="store_false",

@@ -367,14 +367,37 @@ def test_engine_failures(client, engine):
 
 def test_api_key(engine, tok):
     client = make_client(engine, tok, api_key="s3cret")
-    for path in ("/v1/models", "/startup"):
+    good = {"Authorization": "Bearer s3cret"}
+    for path in ("/v1/models", "/v1/models/smol", "/startup", "/metrics", "/v1/nothing"):
         assert_error(client.get(path), 401, code="invalid_api_key")
-        assert_error(client.get(path, headers={"Authorization": "Bearer wrong"}), 401)
-        assert client.get(path, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        for bad in ("Bearer wrong", "s3cret", "Basic s3cret", "Bearer", "Bearer s3cret2", "Bearer s3cre"):
+            assert_error(client.get(path, headers={"Authorization": bad}), 401, code="invalid_api_key")
+        expected = 404 if path == "/v1/nothing" else 200
+        assert client.get(path, headers=good).status_code == expected
     assert_error(client.post("/v1/chat/completions", json=chat_body()), 401)
-    ok = client.post("/v1/chat/completions", json=chat_body(), headers={"Authorization": "Bearer s3cret"})
+    assert_error(client.post("/v1/completions", json={"model": MODEL, "prompt": "hi"}), 401)
+    assert client.post("/v1/chat/completions", json=chat_body(), headers=good).status_code == 200
+    ok = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi"}, headers=good)
     assert ok.status_code == 200
-    assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
+    # the scheme is case-insensitive (RFC 7235); only /health is open
+    assert client.get("/v1/models", headers={"Authorization": "bearer s3cret"}).status_code == 200
+    assert client.get("/health").status_code == 200
+
+
+def test_unexpected_exception_is_a_json_500_without_traceback(engine, tok, caplog):
+    client = make_client(engine, tok)
+
+    async def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+        yield  # pragma: no cover
+
+    engine.generate = broken
+    with caplog.at_level("ERROR", logger="hotstart"):
+        assert_error(client.post("/v1/chat/completions", json=chat_body()), 500, code="internal_error")
+    assert client.get("/health").status_code == 200
+    assert any("RuntimeError at " in r.getMessage() for r in caplog.records)
+    assert not any("boom" in r.getMessage() for r in caplog.records)  # messages can hold request data
+    assert not any(r.exc_info for r in caplog.records)
 
 
 def test_models_startup_and_metrics(client, engine):

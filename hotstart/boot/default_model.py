@@ -9,12 +9,14 @@ so an interrupted conversion never leaves a half-written model behind.
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -60,17 +62,43 @@ def ensure_default_model(quiet: bool = False, timeout: float = 900.0) -> Path:
     if not quiet:
         print(f"hotstart: converting the default model {DEFAULT_MODEL_NAME} into {target} (once)", file=sys.stderr)
     cmd = [sys.executable, "-m", "hotstart.boot.default_model", str(target)]
-    try:
-        proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE if quiet else None,
-                              text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise HotstartError(f"default model: conversion took longer than {timeout:.0f} s") from None
-    if proc.returncode != 0:
-        detail = (proc.stderr or "").strip().splitlines()[-1:] if quiet else []
-        raise HotstartError("default model: conversion failed" + (f": {detail[0]}" if detail else ""))
+    returncode, reason = _run_converter(cmd, quiet, timeout)
+    if returncode != 0:
+        raise HotstartError(reason or "default model: conversion failed")
     if not is_converted(target):
         raise HotstartError(f"default model: conversion did not produce {target}")
     return target
+
+
+def _run_converter(cmd: list[str], quiet: bool, timeout: float) -> tuple[int, str]:
+    """Run the conversion subprocess: (exit code, its one-line `hotstart: ...` reason or "").
+
+    Its progress is passed through to stderr unless QUIET; its reason is held back, to become the one
+    `hotstart: error:` line the CLI prints."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, errors="replace")
+    reason: list[str] = []
+
+    def pump() -> None:
+        for line in proc.stderr:
+            if line.startswith("hotstart: "):
+                reason[:] = [line.strip().removeprefix("hotstart: ")]
+            elif not quiet:
+                sys.stderr.write(line)
+                sys.stderr.flush()
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        returncode = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise HotstartError(f"default model: conversion took longer than {timeout:.0f} s") from None
+    finally:
+        if proc.poll() is None:  # KeyboardInterrupt: the converter got the same SIGINT
+            proc.wait()
+    reader.join(5)
+    return returncode, reason[0] if reason else ""
 
 
 def _step(msg: str, t0: float) -> None:
@@ -117,11 +145,15 @@ def main() -> int:
     target = Path(sys.argv[1]) if len(sys.argv) > 1 else default_model_dir()
     try:
         convert(target)
-    except OSError as e:
-        print(f"hotstart: default model conversion failed: {e}", file=sys.stderr)
-        return 1
     except HotstartError as e:
         print(f"hotstart: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # noqa: BLE001 - OSError, safetensors' SafetensorError (not an OSError), ...
+        if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e):
+            reason = f"no space left on device in {target.parent} (the model needs ~300 MB; set HOTSTART_HOME)"
+        else:
+            reason = f"{type(e).__name__}: {e}".splitlines()[0]
+        print(f"hotstart: default model conversion failed: {reason}", file=sys.stderr)
         return 1
     return 0
 

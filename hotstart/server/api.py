@@ -42,8 +42,9 @@ log = logging.getLogger("hotstart")
 _json = msgspec.json.Encoder()
 ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/startup", "/metrics"}
 # chat_template_kwargs may set template variables, not the arguments the server itself controls
+# ("self" too: it would collide with the tokenizer method's own parameter)
 _RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "documents", "add_generation_prompt", "chat_template",
-                             "continue_final_message"}
+                             "continue_final_message", "self"}
 
 
 @dataclass
@@ -53,7 +54,8 @@ class ApiSettings:
     served_model_names: list[str]
     """Names accepted in `model` (the first is the one reported in responses)."""
     api_key: str | None = None
-    """If set, /v1/* and /startup require `Authorization: Bearer KEY` (/health and /metrics stay open)."""
+    """If set, every path but /health requires `Authorization: Bearer KEY` (/metrics too: its counters
+    and token totals describe the traffic; a Prometheus scrape config can send the key)."""
     max_model_len: int | None = None
     """Used only until the engine reports its own (EngineReady.max_model_len)."""
     max_request_bytes: int = 1 << 20
@@ -74,12 +76,38 @@ def error_response(err: P.ApiError) -> Response:
     return json_response(err.body(), err.status)
 
 
+def describe(exc: BaseException) -> str:
+    """An unexpected exception for the log: its type and where it was raised. Not its message, nor a
+    traceback with locals: either can hold request data (prompt text, keys)."""
+    tb, where = exc.__traceback__, "?"
+    while tb is not None:
+        where = f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return f"{type(exc).__name__} at {where}"
+
+
 class _Gate:
-    """Pure ASGI middleware: API-key check on /v1/* and /startup, and request counting by status."""
+    """Pure ASGI middleware: the API-key check (every path but /health), request counting by status,
+    and the last resort for unexpected exceptions: a one-line log and an OpenAI-shaped 500, never a
+    traceback (Starlette's ServerErrorMiddleware would answer, then re-raise it to uvicorn's log)."""
+
+    OPEN_PATHS = frozenset({"/health"})
 
     def __init__(self, app, settings: ApiSettings, metrics: Metrics) -> None:
         self.app, self.metrics = app, metrics
-        self.key = ("Bearer " + settings.api_key).encode() if settings.api_key else None
+        self.key = settings.api_key.encode() if settings.api_key else None
+
+    def authorized(self, scope) -> bool:
+        """`Authorization: Bearer KEY`, compared in constant time (hmac.compare_digest)."""
+        given = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                given = value
+                break
+        scheme, _, token = given.strip().partition(b" ")
+        # compare even when the scheme is wrong, so the timing does not tell which part failed
+        ok = hmac.compare_digest(token.strip(), self.key)
+        return ok and scheme.lower() == b"bearer"
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -88,21 +116,27 @@ class _Gate:
         # a fixed label set: unknown paths must not grow the metric's cardinality
         endpoint = path if path in ENDPOINTS else "/v1/models" if path.startswith("/v1/models/") else "other"
         status = 499  # stays if the client leaves before a response starts
+        started = False
 
         async def send_counted(message) -> None:
-            nonlocal status
+            nonlocal status, started
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, started = message["status"], True
             await send(message)
 
         try:
-            if self.key is not None and (path.startswith("/v1/") or path == "/startup"):
-                given = dict(scope["headers"]).get(b"authorization", b"")
-                if not hmac.compare_digest(given, self.key):
-                    err = P.ApiError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`",
-                                     code="invalid_api_key")
-                    return await error_response(err)(scope, receive, send_counted)
+            if self.key is not None and path not in self.OPEN_PATHS and not self.authorized(scope):
+                err = P.ApiError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`",
+                                 code="invalid_api_key")
+                return await error_response(err)(scope, receive, send_counted)
             await self.app(scope, receive, send_counted)
+        except Exception as exc:  # noqa: BLE001 - the last resort: answer, log one line, keep serving
+            log.error("hotstart: internal error on %s: %s", path, describe(exc))
+            if not started:
+                err = P.ApiError(500, "internal server error", code="internal_error")
+                await error_response(err)(scope, receive, send_counted)
+            else:
+                status = 500
         finally:
             self.metrics.observe_request(endpoint, status)
 
@@ -149,14 +183,8 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, settings: ApiSettings)
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         msg = f"{request.method} {request.url.path}: {exc.detail}"
-        code = "not_found" if exc.status_code == 404 else None
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         return error_response(P.ApiError(exc.status_code, msg, code=code))
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> Response:
-        # type and message only: a traceback's locals could hold prompt text
-        log.error("hotstart: internal error on %s: %s: %s", request.url.path, type(exc).__name__, exc)
-        return error_response(P.ApiError(500, "internal server error", code="internal_error"))
 
     def max_model_len() -> int | None:
         return engine.info.max_model_len if engine.info is not None else settings.max_model_len
@@ -181,7 +209,7 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, settings: ApiSettings)
             return P.ApiError(503, f"the engine stopped while running this request ({e})", code="engine_dead")
         if isinstance(e, GenerationError):
             return P.ApiError(500, f"the engine could not run this request: {e}", code="engine_error")
-        log.error("hotstart: internal error while generating: %s: %s", type(e).__name__, e)
+        log.error("hotstart: internal error while generating: %s", describe(e))
         return P.ApiError(500, "internal server error", code="internal_error")
 
     def mark_served(reason: str) -> None:

@@ -36,6 +36,9 @@ def _bind(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+    except OverflowError:  # a port outside 0..65535
+        sock.close()
+        raise HotstartError(f"port {port} is out of range (0 to 65535)") from None
     except OSError as e:
         sock.close()
         if e.errno == 98:

@@ -19,6 +19,10 @@ import msgspec
 from hotstart.messages import SamplingParams
 
 MAX_STOP_STRINGS = 16
+# Free-form JSON (tools, tool_calls, content parts, chat_template_kwargs, ...) may nest this deep: enough
+# for any JSON schema, and far below the recursion limit of the code that walks it (chat templates).
+MAX_JSON_DEPTH = 64
+PENALTY_RANGE = 2.0  # OpenAI's range for presence_penalty / frequency_penalty: [-2, 2]
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
               "tool": "tool"}
 INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
@@ -122,6 +126,20 @@ def decode_request(body: bytes, cls: type[msgspec.Struct]) -> Any:
         raise ApiError(400, return_msg, param=param, code="invalid_type") from None
     except msgspec.DecodeError as e:
         raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:  # msgspec's own depth limit (~1000 levels)
+        raise ApiError(400, f"the body is nested too deeply (at most {MAX_JSON_DEPTH} levels)",
+                       code="invalid_json") from None
+
+
+def check_depth(value: Any, param: str, limit: int = MAX_JSON_DEPTH) -> None:
+    """400 if VALUE (decoded JSON) nests more than LIMIT containers deep. Iterative: no recursion."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            if depth > limit:
+                raise bad_param(param, f"`{param}` is nested too deeply (at most {limit} levels)")
+            stack.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v))
 
 
 def check_common(req: _Common) -> None:
@@ -143,8 +161,14 @@ def check_common(req: _Common) -> None:
     if req.max_tokens is not None and req.max_tokens < 1:
         raise bad_param("max_tokens", f"`max_tokens` must be at least 1, got {req.max_tokens}")
     for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0.0):
+        value = getattr(req, name)
+        if value is not None and not -PENALTY_RANGE <= value <= PENALTY_RANGE:
+            raise bad_param(name, f"`{name}` must be in [-2, 2], got {value}")
+        if value not in (None, 0.0):
             raise unsupported(name, f"non-zero `{name}`")
+    if req.repetition_penalty is not None and req.repetition_penalty <= 0:
+        raise bad_param("repetition_penalty",
+                        f"`repetition_penalty` must be > 0, got {req.repetition_penalty}")
     if req.repetition_penalty not in (None, 1.0):
         raise unsupported("repetition_penalty", "`repetition_penalty` other than 1")
     if req.logit_bias:
@@ -170,6 +194,51 @@ def check_chat(req: ChatCompletionRequest) -> None:
         raise unsupported("response_format", f"response_format `{fmt}` (only `text`)")
     if req.tool_choice not in (None, "auto", "none"):
         raise unsupported("tool_choice", "`tool_choice` other than \"auto\" / \"none\"")
+    for name in ("tools", "response_format", "chat_template_kwargs"):
+        check_depth(getattr(req, name), name)
+    for i, tool in enumerate(req.tools or []):
+        check_tool(tool, f"tools[{i}]")
+    for i, m in enumerate(req.messages):
+        check_depth(m.content, f"messages[{i}].content")
+        check_depth(m.tool_calls, f"messages[{i}].tool_calls")
+        for j, call in enumerate(m.tool_calls or []):
+            check_tool_call(call, f"messages[{i}].tool_calls[{j}]")
+
+
+def check_tool(tool: dict[str, Any], param: str) -> None:
+    """A tool definition: {"type": "function", "function": {"name": str, "description"?: str,
+    "parameters"?: object}} (the only kind chat templates render)."""
+    if tool.get("type") != "function":
+        raise bad_param(f"{param}.type", f"`{param}.type` must be \"function\", got {tool.get('type')!r}")
+    fn = tool.get("function")
+    if not isinstance(fn, dict):
+        raise bad_param(f"{param}.function", f"`{param}.function` must be an object")
+    _check_function_name(fn, f"{param}.function")
+    if not isinstance(fn.get("description", ""), str):
+        raise bad_param(f"{param}.function.description", "`description` must be a string")
+    if not isinstance(fn.get("parameters", {}), dict):
+        raise bad_param(f"{param}.function.parameters", "`parameters` must be a JSON schema object")
+
+
+def check_tool_call(call: dict[str, Any], param: str) -> None:
+    """A tool call in an assistant message: {"id"?: str, "type"?: "function",
+    "function": {"name": str, "arguments": str (JSON text)}}."""
+    if call.get("type", "function") != "function":
+        raise bad_param(f"{param}.type", f"`{param}.type` must be \"function\", got {call.get('type')!r}")
+    if not isinstance(call.get("id", ""), str):
+        raise bad_param(f"{param}.id", "`id` must be a string")
+    fn = call.get("function")
+    if not isinstance(fn, dict):
+        raise bad_param(f"{param}.function", f"`{param}.function` must be an object")
+    _check_function_name(fn, f"{param}.function")
+    if not isinstance(fn.get("arguments", ""), str):
+        raise bad_param(f"{param}.function.arguments", "`arguments` must be a string (JSON text)")
+
+
+def _check_function_name(fn: dict[str, Any], param: str) -> None:
+    name = fn.get("name")
+    if not isinstance(name, str) or not name:
+        raise bad_param(f"{param}.name", f"`{param}.name` must be a non-empty string")
 
 
 def check_completion(req: CompletionRequest) -> None:
@@ -200,12 +269,16 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
                             f"unknown role `{m.role}`; expected one of {', '.join(CHAT_ROLES)}")
         content = m.content
         if isinstance(content, list):
+            if not content:
+                raise bad_param(f"messages[{i}].content", "`content` must not be an empty list")
             texts = []
             for j, part in enumerate(content):
                 kind = part.get("type")
-                if kind != "text" or not isinstance(part.get("text"), str):
+                if kind != "text":
                     raise ApiError(400, f"content part type `{kind}` is not supported (only text)",
                                    param=f"messages[{i}].content[{j}]", code="unsupported_content")
+                if not isinstance(part.get("text"), str):
+                    raise bad_param(f"messages[{i}].content[{j}].text", "a text part needs a string `text`")
                 texts.append(part["text"])
             content = "\n".join(texts)
         if content is None and not m.tool_calls:
