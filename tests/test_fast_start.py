@@ -152,3 +152,17 @@ def test_killed_engine_fails_streams_and_is_replaced(default_model_dir):
         print(f"engine recovery seconds: {recoveries}")
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("args,env", [(["--no-prespawn", "--no-prefetch"], {}), ([], {"HOTSTART_SERIAL": "1"})])
+def test_ablations_still_serve(default_model_dir, args, env):
+    """The switches that turn fast start off (for measuring it) leave a working server."""
+    s = Server("--max-model-len", "512", *args, env=env)
+    try:
+        r = httpx.post(s.url + "/v1/chat/completions", json=QUESTION, timeout=60)
+        assert "Paris" in r.json()["choices"][0]["message"]["content"]
+        names = [p["name"] for p in httpx.get(s.url + "/startup").json()["phases"]]
+        assert "forkserver up (torch + engine imported)" not in names and "engine spawned" in names
+        assert "prefetch started" not in names
+    finally:
+        s.stop()

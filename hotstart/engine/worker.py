@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 
 import msgspec
 import torch  # noqa: F401 - imported here so the forkserver preloads it
@@ -104,10 +103,7 @@ def run_engine(cfg: EngineConfig, in_addr: str, out_addr: str) -> int:
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process orchestrates shutdown
     cfg = msgspec.json.decode(sys.argv[1], type=EngineConfig)
-    phase_start = time.time()
-    sys.stdout.flush()
     code = run_engine(cfg, sys.argv[2], sys.argv[3])
-    del phase_start
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # skip torch's slow interpreter teardown

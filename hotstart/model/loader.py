@@ -19,7 +19,7 @@ from torch import nn
 from hotstart.config import ModelConfig
 from hotstart.errors import WeightsError
 from hotstart.model.decoder import PACKED_MODULES, CausalLM
-from hotstart.model.safetensors_io import DTYPES, SafetensorsFile
+from hotstart.model.safetensors_io import SafetensorsFile
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 FLOAT_DTYPES = {"F32", "F16", "BF16"}
