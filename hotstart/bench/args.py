@@ -1,14 +1,98 @@
-"""Argument definitions for `hotstart bench ...` and `hotstart make-model` (argparse only: stays light)."""
+"""Argument definitions for `hotstart bench ...` and `hotstart make-model` (argparse only: stays light).
+
+`bench` takes sub-subcommands; each is registered in BENCH_COMMANDS as (module, function) and
+imported only when run, so `hotstart --help` never pays for a benchmark's imports. A new one (e.g.
+`bench serve`) adds a parser in add_bench_commands and an entry in BENCH_COMMANDS.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+
+# bench subcommand -> (module, function(args) -> exit code)
+BENCH_COMMANDS: dict[str, tuple[str, str]] = {
+    "startup": ("hotstart.bench.startup", "run_startup_bench"),
+}
+MAKE_MODEL = ("hotstart.bench.make_model", "run_make_model")
+
+
+class _Target(argparse.Action):
+    """--config / --peer append (kind, value) to one list, so their command-line order is kept."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        targets = list(getattr(namespace, "targets", None) or [])
+        targets.append((self.const, values))
+        namespace.targets = targets
+
+
+def _add_startup(bsub) -> None:
+    p = bsub.add_parser(
+        "startup", help="cold/warm A/B startup benchmark: launch -> /health -> first verified completion",
+        description="Run each config N times, interleaved (run i of every config before run i+1), "
+                    "after evicting what --cold says; report medians against the floor "
+                    "(cold `import torch` and a cold read of the weights).")
+    p.add_argument("model", nargs="?", default=None, help="model folder or hub id (default: the embedded model)")
+    p.add_argument("--config", dest="targets", action=_Target, const="hotstart", metavar="SPEC",
+                   help="hotstart[:no-prefetch|no-prespawn|serial, joined by +] (repeatable; default: hotstart)")
+    p.add_argument("--peer", dest="targets", action=_Target, const="peer", metavar="CMD",
+                   help="another server's command line with {port} and optionally {model} "
+                        "(e.g. \"transformers serve --host 127.0.0.1 --port {port} {model}\"; repeatable)")
+    p.add_argument("--cold", action="append", choices=["none", "weights", "all"], default=None,
+                   help="what to evict before each run (repeatable; default: all)")
+    p.add_argument("--runs", type=int, default=5, help="measured runs per config and cold mode")
+    p.add_argument("--warmup", type=int, default=1, help="discarded runs per config and mode, first")
+    p.add_argument("--expect", default=None, help="the answer must contain this text (default: any non-empty)")
+    p.add_argument("--prompt", default="What is the capital of France?", help="the chat message")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--timeout", type=float, default=180.0, help="seconds from launch to a verified answer")
+    p.add_argument("--hotstart-args", default="", metavar="ARGS", help="extra `hotstart serve` flags, one string")
+    p.add_argument("--no-floor", dest="floor", action="store_false", help="skip the floor measurements")
+    p.add_argument("--out", default=None, help="folder for results.json, table.md, startup.png, logs/ "
+                                              "(default: bench-results/startup-DATE)")
+    p.set_defaults(targets=None)
+
+
+def _add_make_model(sub) -> None:
+    p = sub.add_parser(
+        "make-model", help="write a random-weight checkpoint with real architecture shapes",
+        description="Random normal(0, 0.02) weights (norms = 1) with the shapes of a real model family and "
+                    "size, the default model's tokenizer, sharded safetensors streamed at disk speed.")
+    p.add_argument("--family", required=True, choices=["llama", "qwen2", "qwen3"])
+    p.add_argument("--size", default=None,
+                   help="llama: 1b 3b 8b; qwen2: 0.5b 1.5b 3b 7b; qwen3: 0.6b 1.7b 4b 8b; any: tiny "
+                        "(or give the dimensions below)")
+    p.add_argument("--out", required=True, help="folder to create (must not exist or be empty)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--shard-size", default="2GB", help="largest shard, e.g. 2GB, 500MB, 1GiB (default 2GB)")
+    p.add_argument("--seed", type=int, default=0)
+    dims = p.add_argument_group("dimensions (override --size, or replace it)")
+    for flag, what in (("layers", "num_hidden_layers"), ("hidden", "hidden_size"),
+                       ("intermediate", "intermediate_size"), ("heads", "num_attention_heads"),
+                       ("kv-heads", "num_key_value_heads"), ("head-dim", "head_dim"),
+                       ("vocab", "vocab_size (default: the tokenizer's, rounded up to 64)")):
+        dims.add_argument(f"--{flag}", type=int, default=None, help=what)
+    dims.add_argument("--tie", dest="tie", action="store_true", default=None, help="tie embeddings and lm_head")
+    dims.add_argument("--no-tie", dest="tie", action="store_false", help="separate lm_head")
 
 
 def add_bench_commands(sub) -> None:
-    sub.add_parser("bench", help="benchmarks (startup, serve)")
-    sub.add_parser("make-model", help="write a random-weight checkpoint with real architecture shapes")
+    """Register `bench` (with its sub-subcommands) and `make-model` on the CLI's subparsers."""
+    b = sub.add_parser("bench", help="benchmarks (startup, ...)")
+    bsub = b.add_subparsers(dest="bench_command", metavar="BENCH")
+    _add_startup(bsub)
+    _add_make_model(sub)
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
-    raise SystemExit("hotstart: error: not implemented yet")
+    """Dispatch `bench NAME` / `make-model` to its implementation, imported only now."""
+    if args.command == "make-model":
+        module, func = MAKE_MODEL
+    else:
+        name = getattr(args, "bench_command", None)
+        if name not in BENCH_COMMANDS:
+            from hotstart.errors import HotstartError  # noqa: PLC0415
+
+            raise HotstartError(f"bench: give one of: {', '.join(BENCH_COMMANDS)} (see `hotstart bench --help`)")
+        module, func = BENCH_COMMANDS[name]
+    return getattr(importlib.import_module(module), func)(args)

@@ -1,0 +1,352 @@
+"""Sustained-load check: N concurrent streaming clients for D seconds, then leak checks on the server.
+
+    python benchmarks/load.py --url http://127.0.0.1:8000 [--clients 64] [--duration 60] [--out load.json]
+    python benchmarks/load.py --spawn [--model DIR] [--server-args "..."] ...   # starts `hotstart serve` itself
+
+Each client loops until the duration is over: a random prompt from a small list, random max_tokens in
+[--min-tokens, --max-tokens], chat (or, one time in five, text) completion, streamed, temperature 0 or
+0.7; the stream must be HTTP 200, carry no error event, end with a finish_reason and `data: [DONE]`.
+A client finishes the request it is in when time is up; everything is bounded by duration + drain timeout
+(requests still running then count as errors). With --abort-frac F a fraction F of requests is dropped by
+the client after a few tokens (not an error: it checks that aborts free their KV blocks too).
+
+After the run, with no client connected: /metrics must show hotstart_num_requests_running,
+hotstart_num_requests_waiting and hotstart_kv_cache_usage_ratio back at 0, and the open file
+descriptors of the server process and its children (psutil num_fds) must be <= before + --fd-slack
+(before = after one warm-up request). Exit status 1 if any request failed, nothing completed, a gauge
+stays above 0, descriptors leaked, or the server died. JSON results go to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_bench import CpuNoise, Spawned, hotstart_server, pct, stream_request
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Name three fruits.",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis in one paragraph.",
+    "Tell me a joke about computers.",
+    "How many legs does a spider have?",
+    "Give me five ideas for a birthday party.",
+    "Summarize the plot of Romeo and Juliet.",
+    "What is 17 times 23?",
+    "Describe the color blue to someone who cannot see.",
+]
+GAUGES = ("hotstart_num_requests_running", "hotstart_num_requests_waiting", "hotstart_kv_cache_usage_ratio")
+
+
+# ---------------------------------------------------------------- server inspection
+
+def server_pid_for(url: str) -> int | None:
+    """The pid listening on URL's port (None if it cannot be seen, e.g. another user's process)."""
+    import psutil
+
+    port = int(re.search(r":(\d+)", url.split("//", 1)[-1]).group(1))
+    try:
+        for c in psutil.net_connections(kind="tcp"):
+            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
+                return c.pid
+    except psutil.AccessDenied:
+        pass
+    return None
+
+
+def tree(pid: int) -> list:
+    import psutil
+
+    p = psutil.Process(pid)
+    return [p, *p.children(recursive=True)]
+
+
+def fd_snapshot(pid: int) -> dict:
+    """Open fds and RSS of the server process and all its descendants."""
+    import psutil
+
+    out = {"fds": 0, "rss_mb": 0.0, "procs": {}}
+    for p in tree(pid):
+        try:
+            n = p.num_fds()
+            out["procs"][p.pid] = {"name": " ".join(p.cmdline()[:4])[:80], "fds": n}
+            out["fds"] += n
+            out["rss_mb"] += p.memory_info().rss / 2**20
+        except psutil.NoSuchProcess:
+            pass
+    out["rss_mb"] = round(out["rss_mb"], 1)
+    return out
+
+
+async def read_gauges(client, url: str) -> dict:
+    text = (await client.get(url + "/metrics", timeout=10)).text
+    found = {}
+    for name in GAUGES:
+        m = re.search(rf"^{name}\s+(\S+)$", text, re.MULTILINE)
+        found[name] = float(m.group(1)) if m else None
+    return found
+
+
+# ---------------------------------------------------------------- clients
+
+def make_body(rng: random.Random, model: str, min_tokens: int, max_tokens: int) -> tuple[str, dict, bool]:
+    prompt = rng.choice(PROMPTS)
+    chat = rng.random() >= 0.2
+    body = {"model": model, "max_tokens": rng.randint(min_tokens, max_tokens), "stream": True,
+            "temperature": rng.choice([0.0, 0.7]), "stream_options": {"include_usage": True}}
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    return ("/v1/chat/completions" if chat else "/v1/completions"), body, chat
+
+
+async def aborted_request(client, url: str, body: dict, after_chunks: int, timeout: float) -> dict:
+    """Stream and hang up after a few content chunks; only HTTP/connection failures are errors."""
+    import httpx
+
+    rec = {"aborted": True, "error": None}
+    try:
+        async with asyncio.timeout(timeout):
+            async with client.stream("POST", url, json=body) as r:
+                if r.status_code != 200:
+                    rec["error"] = f"HTTP {r.status_code}: {(await r.aread())[:300]!r}"
+                    return rec
+                seen = 0
+                async for line in r.aiter_lines():
+                    if not line.startswith("data:") or line.endswith("[DONE]"):
+                        continue
+                    ev = json.loads(line[5:])
+                    choices = ev.get("choices") or []
+                    if any((c.get("delta") or {}).get("content") or c.get("text") for c in choices):
+                        seen += 1
+                        if seen >= after_chunks:
+                            break  # leaving the block closes the connection mid-stream
+    except TimeoutError:
+        rec["error"] = f"timeout after {timeout:.0f} s"
+    except (httpx.HTTPError, ValueError) as e:
+        rec["error"] = f"{type(e).__name__}: {e}"
+    return rec
+
+
+async def client_loop(idx: int, client, url: str, model: str, args, deadline: float, records: list) -> None:
+    rng = random.Random(args.seed * 1000 + idx)
+    while time.monotonic() < deadline:
+        path, body, chat = make_body(rng, model, args.min_tokens, args.max_tokens)
+        t_start = time.monotonic()
+        if rng.random() < args.abort_frac:
+            rec = await aborted_request(client, url + path, body, rng.randint(1, 8), args.request_timeout)
+        else:
+            rec = await stream_request(client, url + path, body, args.request_timeout, chat=chat)
+            if rec["error"] is None and not rec["done"]:
+                rec["error"] = "stream ended without [DONE]"
+            elif rec["error"] is None and rec["finish_reason"] is None:
+                rec["error"] = "no finish_reason"
+            elif rec["error"] is None and rec["tokens"] is None:
+                rec["error"] = "no usage chunk"
+        rec.update(client=idx, t=t_start, path=path, max_tokens=body["max_tokens"], t_end=time.monotonic())
+        records.append(rec)
+
+
+async def run(args, url: str, pid: int | None) -> dict:
+    import httpx
+
+    limits = httpx.Limits(max_connections=args.clients + 8, max_keepalive_connections=args.clients + 8)
+    res: dict = {"url": url, "server_pid": pid}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout, connect=10), limits=limits) as client:
+        model = (await client.get(url + "/v1/models", timeout=30)).json()["data"][0]["id"]
+        warm = await stream_request(client, url + "/v1/chat/completions",
+                                    {"model": model, "messages": [{"role": "user", "content": "Hi"}],
+                                     "max_tokens": 8, "stream": True}, args.request_timeout)
+        if warm["error"] or not warm["done"]:
+            raise RuntimeError(f"warm-up request failed: {warm}")
+    res["gauges_before"] = await _gauges(url)
+    res["before"] = fd_snapshot(pid) if pid else None
+
+    records: list[dict] = []
+    noise = CpuNoise(pid)
+    noise.start()
+    t0 = time.monotonic()
+    deadline = t0 + args.duration
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout, connect=10), limits=limits) as client:
+        tasks = [asyncio.create_task(client_loop(i, client, url, model, args, deadline, records))
+                 for i in range(args.clients)]
+        done, pending = await asyncio.wait(tasks, timeout=args.duration + args.drain_timeout)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        crashed = [repr(t.exception()) for t in done if t.exception() is not None]
+    wall = time.monotonic() - t0
+    res["cpu"] = noise.stop()  # other_cores: CPU other processes took meanwhile (2 shared cores here)
+    res.update(hung_clients=len(pending), client_exceptions=crashed, wall_s=round(wall, 2))
+
+    full = [r for r in records if not r.get("aborted")]
+    ok = [r for r in full if r["error"] is None]
+    errors = [r for r in records if r["error"] is not None]
+    toks = sum(r["tokens"] for r in ok)
+    res.update(
+        completed=len(ok), aborted=sum(1 for r in records if r.get("aborted") and r["error"] is None),
+        errors=len(errors) + len(pending) + len(crashed),
+        error_samples=sorted({r["error"] for r in errors})[:10],
+        ttft_p50=pct([r["ttft"] for r in ok], 50), ttft_p99=pct([r["ttft"] for r in ok], 99),
+        e2e_p50=pct([r["e2e"] for r in ok], 50), e2e_p99=pct([r["e2e"] for r in ok], 99),
+        output_tokens=toks, output_tps=toks / wall if wall else 0.0,
+        requests_per_s=len(ok) / wall if wall else 0.0,
+        finish_reasons={k: sum(1 for r in ok if r["finish_reason"] == k)
+                        for k in sorted({r["finish_reason"] for r in ok})},
+    )
+
+    # Settle: no client is connected now; the server must drop back to idle without leaking.
+    t_settle = time.monotonic()
+    while True:
+        gauges = await _gauges(url)
+        after = fd_snapshot(pid) if pid and _alive(pid) else None
+        idle = all(v == 0 for v in gauges.values() if v is not None) and None not in gauges.values()
+        fds_ok = after is None or res["before"] is None or after["fds"] <= res["before"]["fds"] + args.fd_slack
+        if (idle and fds_ok) or time.monotonic() - t_settle > args.settle_timeout:
+            break
+        await asyncio.sleep(0.5)
+    res.update(gauges_after=gauges, after=after, settle_s=round(time.monotonic() - t_settle, 2))
+    res["server_alive"] = pid is None or _alive(pid)
+    res["kv_back_to_zero"] = gauges.get("hotstart_kv_cache_usage_ratio") == 0
+    res["queues_empty"] = (gauges.get("hotstart_num_requests_running") == 0
+                           and gauges.get("hotstart_num_requests_waiting") == 0)
+    if res["before"] and after:
+        res["fd_leak"] = after["fds"] > res["before"]["fds"] + args.fd_slack
+        res["engine_pids_same"] = set(res["before"]["procs"]) == set(after["procs"])
+    else:
+        res["fd_leak"] = None if pid is None else True
+        res["engine_pids_same"] = None
+    return res
+
+
+async def _gauges(url: str) -> dict:
+    import httpx
+
+    try:
+        async with httpx.AsyncClient() as c:
+            return await read_gauges(c, url)
+    except httpx.HTTPError as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def failures(res: dict) -> list[str]:
+    why = []
+    if res["errors"]:
+        why.append(f"{res['errors']} errors")
+    if not res["completed"]:
+        why.append("no request completed")
+    if not res["server_alive"]:
+        why.append("server died")
+    if not res["kv_back_to_zero"]:
+        why.append(f"KV cache not released: {res['gauges_after']}")
+    if not res["queues_empty"]:
+        why.append(f"requests still running/waiting: {res['gauges_after']}")
+    if res["fd_leak"]:
+        why.append(f"fd leak: {res['before'] and res['before']['fds']} -> {res['after'] and res['after']['fds']}")
+    return why
+
+
+def report(res: dict) -> str:
+    f = lambda x: "n/a" if x is None else f"{x:.2f}"
+    b, a = res.get("before") or {}, res.get("after") or {}
+    return "\n".join([
+        (f"clients {res['clients']} x {res['duration']} s (wall {res['wall_s']} s): completed {res['completed']}, "
+         f"aborted {res['aborted']}, errors {res['errors']}"),
+        (f"TTFT p50 {f(res['ttft_p50'])} s, p99 {f(res['ttft_p99'])} s; end-to-end p50 {f(res['e2e_p50'])} s, "
+         f"p99 {f(res['e2e_p99'])} s"),
+        (f"output {res['output_tokens']} tokens, {res['output_tps']:.1f} tok/s, "
+         f"{res['requests_per_s']:.2f} req/s; finish reasons {res['finish_reasons']}"),
+        (f"CPU: server+client {res['cpu']['our_cores']:.2f} cores, "
+         f"other processes {res['cpu']['other_cores']:.2f} cores (load average {res['load1']})"),
+        f"after (settled in {res['settle_s']} s): {res['gauges_after']}",
+        (f"server fds {b.get('fds')} -> {a.get('fds')} (slack {res['fd_slack']}), "
+         f"RSS {b.get('rss_mb')} -> {a.get('rss_mb')} MB, same processes: {res['engine_pids_same']}"),
+        *(f"  error: {e}" for e in res["error_samples"]),
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", default=None, help="a running server, e.g. http://127.0.0.1:8000")
+    ap.add_argument("--pid", type=int, default=None, help="server pid for the fd check (default: port owner)")
+    ap.add_argument("--spawn", action="store_true", help="start `hotstart serve` itself, stop it after")
+    ap.add_argument("--model", default=None, help="with --spawn: model to serve (default: the default model)")
+    ap.add_argument("--server-args", default="", help="with --spawn: extra `hotstart serve` arguments")
+    ap.add_argument("--dtype", default="auto", help="with --spawn: --dtype for the server")
+    ap.add_argument("--omp-threads", type=int, default=None, help="with --spawn: OMP_NUM_THREADS for the server")
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--duration", type=float, default=60.0, help="seconds clients keep starting requests")
+    ap.add_argument("--drain-timeout", type=float, default=180.0, help="extra seconds for requests in flight")
+    ap.add_argument("--request-timeout", type=float, default=300.0)
+    ap.add_argument("--min-tokens", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--abort-frac", type=float, default=0.0, help="fraction of requests the client drops early")
+    ap.add_argument("--fd-slack", type=int, default=8, help="extra fds tolerated after the run")
+    ap.add_argument("--settle-timeout", type=float, default=30.0, help="seconds to wait for idle after the run")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="write JSON results here")
+    args = ap.parse_args(argv)
+    if (args.url is None) == (not args.spawn):
+        ap.error("give exactly one of --url and --spawn")
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    srv: Spawned | None = None
+    try:
+        if args.spawn:
+            if args.omp_threads:
+                os.environ["OMP_NUM_THREADS"] = str(args.omp_threads)
+            srv = hotstart_server(args.model, args.dtype, args.server_args.split())
+            url, pid = srv.url, srv.pid
+            print(f"spawned hotstart (pid {pid}) at {url}, healthy after {srv.ready_s:.1f} s", flush=True)
+        else:
+            url = args.url.rstrip("/")
+            pid = args.pid or server_pid_for(url)
+            if pid is None:
+                print("warning: server process not found: fd check skipped", file=sys.stderr)
+        res = asyncio.run(run(args, url, pid))
+    except BaseException:
+        if srv is not None:
+            print(srv.output, file=sys.stderr)
+        raise
+    finally:
+        if srv is not None:
+            srv.stop()
+    res.update(clients=args.clients, duration=args.duration, fd_slack=args.fd_slack, args=vars(args),
+               load1=round(os.getloadavg()[0], 2))
+    why = failures(res)
+    res["ok"], res["failures"] = not why, why
+    print(report(res))
+    print("PASS" if not why else "FAIL: " + "; ".join(why))
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1, default=str))
+    return 0 if not why else 1
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        sys.exit(130)

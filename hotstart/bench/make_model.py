@@ -1,0 +1,288 @@
+"""`hotstart make-model`: a random-weight checkpoint with a real model's shapes, written at disk speed.
+
+Shapes come from the published config.json of each model (Llama-3.2-1B/3B, Llama-3-8B, Qwen2.5-0.5B/
+1.5B/3B/7B, Qwen3-0.6B/1.7B/4B/8B); the vocabulary is the default model's tokenizer (its files are
+copied), so a server can really tokenize, chat and detokenize with it. Values are normal(0, 0.02)
+(norm weights 1): the output is gibberish, but every startup cost (bytes, tensors, shapes) is real.
+
+The safetensors files are written here, not by the safetensors package, so the model never sits in
+RAM: a pool of random values is made once and each tensor is streamed from random offsets into it.
+Format: 8-byte little-endian header length, a JSON header {name: {dtype, shape, data_offsets}} padded
+with spaces to 8 bytes, then the raw tensor bytes back to back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import struct
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from hotstart.errors import HotstartError
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+FAMILIES = {  # family -> (architecture, rms_norm_eps, rope_parameters, max_position_embeddings)
+    "llama": ("LlamaForCausalLM", 1e-5, LLAMA3_ROPE, 131072),
+    "qwen2": ("Qwen2ForCausalLM", 1e-6, {"rope_type": "default", "rope_theta": 1000000.0}, 32768),
+    "qwen3": ("Qwen3ForCausalLM", 1e-6, {"rope_type": "default", "rope_theta": 1000000.0}, 40960),
+}
+# (hidden, intermediate, layers, heads, kv_heads, head_dim or None, tied), from the real config.json files
+SIZES = {
+    "llama": {"1b": (2048, 8192, 16, 32, 8, 64, True), "3b": (3072, 8192, 28, 24, 8, 128, True),
+              "8b": (4096, 14336, 32, 32, 8, 128, False)},
+    "qwen2": {"0.5b": (896, 4864, 24, 14, 2, None, True), "1.5b": (1536, 8960, 28, 12, 2, None, True),
+              "3b": (2048, 11008, 36, 16, 2, None, True), "7b": (3584, 18944, 28, 28, 4, None, False)},
+    "qwen3": {"0.6b": (1024, 3072, 28, 16, 8, 128, True), "1.7b": (2048, 6144, 28, 16, 8, 128, True),
+              "4b": (2560, 9728, 36, 32, 8, 128, True), "8b": (4096, 12288, 36, 32, 8, 128, False)},
+}
+TINY = (128, 384, 2, 4, 2, 32, True)
+# Llama-3-8B has no rope scaling and an 8k context (Llama-3.1 added them).
+OVERRIDES = {("llama", "8b"): {"rope": {"rope_type": "default", "rope_theta": 500000.0}, "max_pos": 8192}}
+DTYPES = {"bfloat16": ("BF16", 2), "float16": ("F16", 2), "float32": ("F32", 4)}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+                   "generation_config.json")
+POOL = 8 << 20  # random values made once (16 MiB in bf16)
+CHUNK = 4 << 20  # values per write
+
+
+def parse_size(text: str) -> int:
+    """'2GB' -> 2e9, '1GiB' -> 2**30, '500MB', '200KB', or plain bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", text.upper())
+    if not m:
+        raise HotstartError(f"--shard-size {text!r}: expected e.g. 2GB, 500MB, 1GiB")
+    unit = m.group(2).rstrip("B")
+    scale = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 1 << 10, "MI": 1 << 20, "GI": 1 << 30,
+             "TI": 1 << 40}[unit]
+    value = int(float(m.group(1)) * scale)
+    if value < 1:
+        raise HotstartError(f"--shard-size {text!r}: must be at least 1 byte")
+    return value
+
+
+def tokenizer_vocab(tokenizer_json: Path) -> int:
+    """Number of token ids the tokenizer can produce (model vocab and added tokens)."""
+    data = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+    ids = list((data.get("model") or {}).get("vocab", {}).values()) or [len(data["model"].get("vocab", []))]
+    ids += [t["id"] for t in data.get("added_tokens", [])]
+    return max(ids) + 1
+
+
+def build_config(args: argparse.Namespace, vocab: int, special: dict) -> dict:
+    """config.json for FAMILY/SIZE with the overrides on the command line; validated."""
+    fam = args.family
+    arch, eps, rope, max_pos = FAMILIES[fam]
+    size = (args.size or "").lower()
+    if size == "tiny":
+        base = TINY
+    elif size:
+        if size not in SIZES[fam]:
+            raise HotstartError(f"--size {args.size!r} for {fam}: known sizes: {', '.join(SIZES[fam])}, tiny")
+        base = SIZES[fam][size]
+        over = OVERRIDES.get((fam, size), {})
+        rope, max_pos = over.get("rope", rope), over.get("max_pos", max_pos)
+    else:
+        missing = [f"--{n}" for n in ("hidden", "intermediate", "layers", "heads") if getattr(args, n) is None]
+        if missing:
+            raise HotstartError(f"give --size, or the dimensions ({' '.join(missing)} missing)")
+        base = (None, None, None, None, None, None, True)
+    hidden, inter, layers, heads, kv, head_dim, tied = base
+    pick = lambda given, default: default if given is None else given  # noqa: E731
+    hidden, inter, layers = pick(args.hidden, hidden), pick(args.intermediate, inter), pick(args.layers, layers)
+    heads, head_dim, tied = pick(args.heads, heads), pick(args.head_dim, head_dim), pick(args.tie, tied)
+    kv = pick(args.kv_heads, kv if args.heads is None else heads)
+    for name, v in (("hidden", hidden), ("intermediate", inter), ("layers", layers), ("heads", heads),
+                    ("kv-heads", kv), ("head-dim", head_dim or 1), ("vocab", args.vocab or 1)):
+        if v < 1:
+            raise HotstartError(f"--{name} must be >= 1, got {v}")
+    if heads % kv:
+        raise HotstartError(f"--heads ({heads}) must be a multiple of --kv-heads ({kv})")
+    if head_dim is None:
+        if hidden % heads:
+            raise HotstartError(f"--hidden ({hidden}) is not a multiple of --heads ({heads}): give --head-dim")
+        head_dim = hidden // heads
+    if args.vocab is not None and args.vocab < vocab:
+        raise HotstartError(f"--vocab {args.vocab} is smaller than the tokenizer's {vocab} tokens")
+    cfg = {
+        "architectures": [arch], "model_type": fam, "hidden_size": hidden, "intermediate_size": inter,
+        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim,
+        "hidden_act": "silu", "max_position_embeddings": max_pos, "rms_norm_eps": eps,
+        "rope_parameters": dict(rope), "tie_word_embeddings": tied,
+        "vocab_size": args.vocab or -(-vocab // 64) * 64, "dtype": args.dtype, "initializer_range": 0.02,
+        "attention_dropout": 0.0, "use_cache": True, **special,
+    }
+    if fam == "llama":
+        cfg.update(attention_bias=False, mlp_bias=False)
+    else:
+        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=layers)
+        if fam == "qwen3":
+            cfg["attention_bias"] = False
+    return cfg
+
+
+def tensor_plan(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, fill) in load order; fill is "normal" or "ones" (RMSNorm weights)."""
+    h, i, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    out = [("model.embed_tokens.weight", (cfg["vocab_size"], h), "normal")]
+    for n in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        out.append((p + "input_layernorm.weight", (h,), "ones"))
+        for proj, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            out.append((p + f"self_attn.{proj}.weight", (rows, h), "normal"))
+            if cfg["model_type"] == "qwen2":  # Qwen2 has q/k/v biases
+                out.append((p + f"self_attn.{proj}.bias", (rows,), "normal"))
+        out.append((p + "self_attn.o_proj.weight", (h, q), "normal"))
+        if cfg["model_type"] == "qwen3":  # per-head RMSNorm on q and k
+            out += [(p + "self_attn.q_norm.weight", (hd,), "ones"), (p + "self_attn.k_norm.weight", (hd,), "ones")]
+        out.append((p + "post_attention_layernorm.weight", (h,), "ones"))
+        out += [(p + "mlp.gate_proj.weight", (i, h), "normal"), (p + "mlp.up_proj.weight", (i, h), "normal"),
+                (p + "mlp.down_proj.weight", (h, i), "normal")]
+    out.append(("model.norm.weight", (h,), "ones"))
+    if not cfg["tie_word_embeddings"]:
+        out.append(("lm_head.weight", (cfg["vocab_size"], h), "normal"))
+    return out
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def shard(plan, itemsize: int, limit: int) -> list[list]:
+    """Greedy split in load order: a new shard when the next tensor would pass `limit` bytes."""
+    shards: list[list] = [[]]
+    size = 0
+    for t in plan:
+        nbytes = _numel(t[1]) * itemsize
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += nbytes
+    return shards
+
+
+def make_pools(dtype: str, seed: int):
+    """(normal pool with CHUNK spare values at the end, ones) as uint8 views of the target dtype's bytes."""
+    import numpy as np  # noqa: PLC0415 - only here: the CLI stays light
+
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(POOL + CHUNK, dtype=np.float32)
+    x *= 0.02
+    ones = np.ones(CHUNK, dtype=np.float32)
+    if dtype == "bfloat16":  # numpy has no bfloat16: round float32 to its upper 16 bits
+        def conv(a):
+            u = a.view(np.uint32)
+            return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    else:
+        def conv(a):
+            return a.astype(np.float16 if dtype == "float16" else np.float32)
+    return conv(x).view(np.uint8), conv(ones).view(np.uint8), rng
+
+
+def _write_all(fd: int, data) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def write_shard(path: Path, tensors, dtype: str, pools) -> int:
+    """Stream one safetensors file; returns its size in bytes."""
+    tag, itemsize = DTYPES[dtype]
+    normal, ones, rng = pools
+    header, offset = {}, 0
+    for name, shape, _ in tensors:
+        nbytes = _numel(shape) * itemsize
+        header[name] = {"dtype": tag, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    header["__metadata__"] = {"format": "pt", "hotstart": "random weights (make-model)"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        _write_all(fd, struct.pack("<Q", len(raw)) + raw)
+        for _, shape, fill in tensors:
+            left = _numel(shape) * itemsize
+            while left:
+                n = min(left, CHUNK * itemsize)
+                if fill == "ones":
+                    _write_all(fd, ones[:n])
+                else:  # a random window of the pool (value-aligned), so tensors differ
+                    start = int(rng.integers(0, POOL)) * itemsize
+                    _write_all(fd, normal[start:start + n])
+                left -= n
+        os.fsync(fd)  # the MB/s reported is the disk's, not the page cache's
+    finally:
+        os.close(fd)
+    return 8 + len(raw) + offset
+
+
+def _default_tokenizer_dir() -> Path:
+    from hotstart.boot.default_model import ensure_default_model  # noqa: PLC0415
+
+    return ensure_default_model()
+
+
+def _prepare_out(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise HotstartError(f"--out {out}: already exists and is not an empty folder")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise HotstartError(f"--out {out}: {e.strerror}") from None
+
+
+def run_make_model(args: argparse.Namespace) -> int:
+    """Entry point of `hotstart make-model`."""
+    out = Path(args.out).expanduser().resolve()
+    shard_limit = parse_size(args.shard_size)
+    _prepare_out(out)
+    tok_dir = _default_tokenizer_dir()
+    src_cfg = json.loads((tok_dir / "config.json").read_text())
+    special = {k: src_cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in src_cfg}
+    cfg = build_config(args, tokenizer_vocab(tok_dir / "tokenizer.json"), special)
+    plan = tensor_plan(cfg)
+    itemsize = DTYPES[args.dtype][1]
+    total = sum(_numel(s) for _, s, _ in plan) * itemsize
+    free = shutil.disk_usage(out.parent).free
+    if total * 1.02 + (64 << 20) > free:
+        raise HotstartError(f"{out.parent}: {free / 1e9:.1f} GB free, the checkpoint needs {total / 1e9:.1f} GB")
+    shards = shard(plan, itemsize, shard_limit)
+    names = ["model.safetensors"] if len(shards) == 1 else \
+        [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    params = total // itemsize
+    print(f"hotstart make-model: {cfg['architectures'][0]} {args.size or 'custom'}: {params / 1e9:.2f}B params, "
+          f"{total / 1e9:.2f} GB {args.dtype} in {len(shards)} file(s) -> {out}", file=sys.stderr, flush=True)
+    # Written beside OUT and renamed at the end: an interrupted run leaves no half checkpoint behind.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        t = time.perf_counter()
+        pools = make_pools(args.dtype, args.seed)
+        written = sum(write_shard(tmp / n, s, args.dtype, pools) for n, s in zip(names, shards))
+        took = time.perf_counter() - t
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": total, "total_parameters": params},
+                     "weight_map": {name: n for n, s in zip(names, shards) for name, _, _ in s}}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        for f in TOKENIZER_FILES:
+            if (tok_dir / f).is_file():
+                shutil.copyfile(tok_dir / f, tmp / f)
+        tmp.chmod(0o755)
+        if out.exists():
+            out.rmdir()  # empty (checked above)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    print(f"{out}: {written / 1e9:.2f} GB in {took:.1f} s ({written / took / 1e6:.0f} MB/s, fsynced)")
+    return 0
