@@ -43,13 +43,18 @@ def test_cli_is_light(args, code, needle, tmp_path):
     assert needle in out.stdout + out.stderr
     assert "Traceback" not in out.stderr
     assert statistics.median(times) < 0.3, times  # includes the interpreter's own start
-    before = {p.pid for p in psutil.process_iter()}
-    env = {**os.environ, "HOTSTART_AUDIT_IMPORTS": str(audit)}
+    tag = f"cli-light-{os.getpid()}-{time.monotonic_ns()}"  # inherited by anything the command starts
+    env = {**os.environ, "HOTSTART_AUDIT_IMPORTS": str(audit), "HOTSTART_TEST_TAG": tag}
     subprocess.run([sys.executable, "-m", "hotstart", *args], capture_output=True, timeout=30, env=env)
     report = json.loads(audit.read_text())
     assert not report["torch_imported"]
-    leftover = [p for p in psutil.process_iter(["cmdline"]) if p.pid not in before
-                and "hotstart" in " ".join(p.info["cmdline"] or [])]
+    leftover = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("HOTSTART_TEST_TAG") == tag:
+                leftover.append(p)
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            pass
     assert not leftover
 
 
