@@ -57,7 +57,7 @@ def test_default_model_cold_weights(tmp_path, default_model_dir):
     out = tmp_path / "out"
     t = time.monotonic()
     res = bench([str(model), "--config", "hotstart", "--cold", "weights", "--runs", "1", "--warmup", "0",
-                 "--timeout", "90", "--out", str(out)])
+                 "--max-tokens", "4", "--timeout", "90", "--out", str(out)])
     assert res.returncode == 0, res.stderr[-3000:]
     data = json.loads((out / "results.json").read_text())
     (run,) = data["runs"]

@@ -14,7 +14,7 @@ import time
 import httpx
 import psutil
 import pytest
-from util import Server
+from util import Server, tagged
 
 QUESTION = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "What is the capital of France?"}],
             "temperature": 0, "max_tokens": 16}
@@ -48,14 +48,7 @@ def test_cli_is_light(args, code, needle, tmp_path):
     subprocess.run([sys.executable, "-m", "hotstart", *args], capture_output=True, timeout=30, env=env)
     report = json.loads(audit.read_text())
     assert not report["torch_imported"]
-    leftover = []
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get("HOTSTART_TEST_TAG") == tag:
-                leftover.append(p)
-        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
-            pass
-    assert not leftover
+    assert not tagged(tag)
 
 
 def test_api_process_imports_only_on_main_thread_and_never_torch(default_model_dir, tmp_path):

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from util import tagged
 
 pytestmark = pytest.mark.e2e
 READY = re.compile(r"hotstart: ready in")
@@ -35,17 +36,6 @@ class Run:
 
     def error_lines(self) -> list[str]:
         return [line for line in self.stderr.splitlines() if line.startswith("hotstart: error:")]
-
-
-def tagged(tag: str) -> list[psutil.Process]:
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get("HOTSTART_TEST_TAG") == tag:
-                found.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            pass
-    return found
 
 
 class Pending:

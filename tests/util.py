@@ -22,6 +22,21 @@ def no_torch_in(module: str) -> tuple[bool, str]:
     return not heavy, ",".join(heavy)
 
 
+def tagged(tag: str) -> list:
+    """Live processes whose environment carries HOTSTART_TEST_TAG=TAG (inherited by every descendant,
+    so leftovers are found even after they were re-parented)."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("HOTSTART_TEST_TAG") == tag:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return found
+
+
 class Server:
     """A real `hotstart serve` subprocess on a free port; stop() checks that nothing is left behind."""
 
