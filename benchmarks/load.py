@@ -14,7 +14,8 @@ After the run, with no client connected: /metrics must show hotstart_num_request
 hotstart_num_requests_waiting and hotstart_kv_cache_usage_ratio back at 0, and the open file
 descriptors of the server process and its children (psutil num_fds) must be <= before + --fd-slack
 (before = after one warm-up request). Exit status 1 if any request failed, nothing completed, a gauge
-stays above 0, descriptors leaked, or the server died. JSON results go to --out.
+stays above 0, descriptors leaked, the server died or its process tree changed (engine refork). JSON
+results go to --out.
 """
 
 from __future__ import annotations
@@ -261,6 +262,8 @@ def failures(res: dict) -> list[str]:
         why.append(f"KV cache not released: {res['gauges_after']}")
     if not res["queues_empty"]:
         why.append(f"requests still running/waiting: {res['gauges_after']}")
+    if res["engine_pids_same"] is False:
+        why.append("the server's process tree changed (an engine crashed and was reforked?)")
     if res["fd_leak"]:
         why.append(f"fd leak: {res['before'] and res['before']['fds']} -> {res['after'] and res['after']['fds']}")
     return why
