@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hotstart.boot.cursor import LoadCursor  # noqa: E402
+from hotstart.model.cursor import LoadCursor  # noqa: E402
 from hotstart.boot.prefetch import Prefetcher  # noqa: E402
 from hotstart.boot.residency import evict, resident_bytes  # noqa: E402
 from hotstart.boot.storage import MiB, PrefetchPlan, detect  # noqa: E402
@@ -31,7 +31,7 @@ from hotstart.boot.storage import MiB, PrefetchPlan, detect  # noqa: E402
 LOADER = r"""
 import mmap, os, sys, time
 sys.path.insert(0, sys.argv[4])
-from hotstart.boot.cursor import LoadCursor
+from hotstart.model.cursor import LoadCursor
 path, t_start, cursor_path = sys.argv[1], float(sys.argv[2]), sys.argv[3]
 cur = LoadCursor.open(cursor_path) if cursor_path != "-" else None
 time.sleep(max(0.0, t_start - time.time()))

@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 launcher.shutdown()
         if args.command == "generate":
-            from hotstart.engine.generate import run_generate  # noqa: PLC0415
+            from hotstart.generate import run_generate  # noqa: PLC0415
 
             return run_generate(args)
         if args.command in ("bench", "make-model"):

@@ -25,7 +25,7 @@ from hotstart.messages import EngineReady, EngineStats, TokenOutput
 from hotstart.server.api import ApiSettings, build_app
 from hotstart.server.engine_client import EngineDeadError
 from hotstart.server.generation import StopStringFilter
-from hotstart.server.tokenizer import Tokenizer
+from hotstart.text.tokenizer import Tokenizer
 
 MODEL = "smol"
 TEXT = "The capital of France is Paris. STOP here, then more text follows."

@@ -17,7 +17,7 @@ def core(default_model_dir) -> EngineCore:
 
 @pytest.fixture(scope="module")
 def tok(default_model_dir):
-    from hotstart.server.tokenizer import Tokenizer
+    from hotstart.text.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(default_model_dir)
 

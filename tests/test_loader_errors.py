@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hotstart.boot.resolve import weight_files
+from hotstart.model.files import weight_files
 from hotstart.config import load_model_config
 from hotstart.errors import HotstartError
 from hotstart.model.loader import load_model

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hotstart.boot.resolve import weight_files
+from hotstart.model.files import weight_files
 from hotstart.config import EngineConfig, load_model_config
 from hotstart.engine.core import EngineCore
 from hotstart.engine.model_runner import ModelRunner
@@ -70,7 +70,7 @@ def test_random_checkpoints_match_transformers(tiny_checkpoint, family, shard):
 
 
 def test_default_model_matches_transformers(default_model_dir):
-    from hotstart.server.tokenizer import Tokenizer
+    from hotstart.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(default_model_dir)
     core = _engine(default_model_dir)
@@ -103,7 +103,7 @@ def test_fused_projections_match_unfused(tiny_checkpoint):
 
 
 def test_default_model_answers_paris(default_model_dir):
-    from hotstart.server.tokenizer import Tokenizer
+    from hotstart.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(default_model_dir)
     core = _engine(default_model_dir)

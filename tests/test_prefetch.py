@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from hotstart.boot import storage
-from hotstart.boot.cursor import LoadCursor
+from hotstart.model.cursor import LoadCursor
 from hotstart.boot.prefetch import Prefetcher
 from hotstart.boot.residency import PAGE_SIZE, evict, resident_bytes, resident_map
 from hotstart.boot.storage import MiB, PrefetchOverrides, PrefetchPlan, StorageInfo
@@ -182,7 +182,7 @@ def test_stop_is_prompt(big):
 def test_running_prefetch_does_not_block_exit(big):
     code = textwrap.dedent(f"""
         from pathlib import Path
-        from hotstart.boot.cursor import LoadCursor
+        from hotstart.model.cursor import LoadCursor
         from hotstart.boot.prefetch import Prefetcher
         from hotstart.boot.storage import PrefetchPlan
         cur = LoadCursor.create()
@@ -211,7 +211,7 @@ def test_cursor_across_processes():
     cur = LoadCursor.create()
     assert cur.position() == -1 and os.path.getsize(cur.path) == 64
     assert (os.stat(os.path.dirname(cur.path)).st_mode & 0o777) == 0o700
-    code = f"from hotstart.boot.cursor import LoadCursor; c = LoadCursor.open({cur.path!r}); c.advance(12345)"
+    code = f"from hotstart.model.cursor import LoadCursor; c = LoadCursor.open({cur.path!r}); c.advance(12345)"
     subprocess.run([sys.executable, "-c", code], check=True)
     assert cur.position() == 12345
     cur.advance(100)  # monotonic: going back is ignored
@@ -318,7 +318,7 @@ def test_plan_for_real_file(big):
 
 def test_boot_modules_import_nothing_heavy():
     code = ("import sys; import hotstart.boot.prefetch, hotstart.boot.storage, hotstart.boot.residency, "
-            "hotstart.boot.cursor, hotstart.boot.timeline; "
+            "hotstart.model.cursor, hotstart.boot.timeline; "
             "print([m for m in sys.modules if m.split('.')[0] in "
             "('torch', 'transformers', 'matplotlib', 'numpy', 'safetensors')])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

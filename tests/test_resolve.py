@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from hotstart.boot.default_model import COMPLETE_MARKER, DEFAULT_MODEL_NAME
-from hotstart.boot.resolve import ResolvedModel, resolve_model, sidecar_files, weight_files
+from hotstart.boot.resolve import ResolvedModel, resolve_model
+from hotstart.model.files import sidecar_files, weight_files
 from hotstart.errors import HotstartError, ModelNotFoundError, WeightsError
 
 REPO = "Qwen/Qwen2.5-0.5B"
@@ -332,7 +333,8 @@ def test_import_and_use_pull_no_heavy_modules(tmp_path):
     folder = write_model(tmp_path / "tiny")
     code = (
         "import sys\n"
-        "from hotstart.boot.resolve import resolve_model, weight_files, sidecar_files\n"
+        "from hotstart.boot.resolve import resolve_model\n"
+        "from hotstart.model.files import weight_files, sidecar_files\n"
         f"r = resolve_model({str(folder)!r}); weight_files(r.path); sidecar_files(r.path)\n"
         "resolve_model(None, convert_default=False)\n"
         "try:\n    resolve_model('org/absent')\nexcept Exception:\n    pass\n"

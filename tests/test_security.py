@@ -176,7 +176,7 @@ def test_model_names_never_reach_the_filesystem(default_model_dir):
     from hotstart.boot.timeline import Timeline
     from hotstart.messages import EngineStats
     from hotstart.server.api import ApiSettings, build_app
-    from hotstart.server.tokenizer import Tokenizer
+    from hotstart.text.tokenizer import Tokenizer
 
     class IdleEngine:  # check_model answers before anything reaches the engine
         ready, phase, info, stats = True, "ready", None, EngineStats()

@@ -34,7 +34,7 @@ def client(server) -> OpenAI:
 
 @pytest.fixture(scope="module")
 def tok(default_model_dir):
-    from hotstart.server.tokenizer import Tokenizer
+    from hotstart.text.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(default_model_dir)
 

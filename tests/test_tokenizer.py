@@ -1,4 +1,4 @@
-"""hotstart.server.tokenizer against transformers' AutoTokenizer on the same folders."""
+"""hotstart.text.tokenizer against transformers' AutoTokenizer on the same folders."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hotstart.errors import HotstartError
-from hotstart.server.tokenizer import (
+from hotstart.text.tokenizer import (
     ChatTemplateError,
     IncrementalDetokenizer,
     Tokenizer,
@@ -145,7 +145,7 @@ def test_torch_free_and_no_imports_after_loading(model_dir):
     # Requests run on threads, which must not import modules: loading imports everything up front
     code = f"""
 import sys
-import hotstart.server.tokenizer as t
+import hotstart.text.tokenizer as t
 assert 'torch' not in sys.modules and 'transformers' not in sys.modules
 tok = t.Tokenizer.from_dir({str(model_dir)!r})
 loaded = set(sys.modules)

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hotstart.boot.procutil import die_with_parent
+from hotstart.procs import die_with_parent
 
 POLL_S = 0.02  # /health poll period: the resolution of t_health, cheap on loopback
 STOP_GRACE_S = 10.0  # SIGTERM -> SIGKILL

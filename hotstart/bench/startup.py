@@ -267,7 +267,8 @@ def run_startup_bench(args: argparse.Namespace) -> int:
     """Entry point of `hotstart bench startup`. Exit code 0: every run ok; 1: some failed; 130: interrupted."""
     _check_args(args)
     targets = build_targets(args)
-    from hotstart.boot.resolve import resolve_model, sidecar_files, weight_files  # noqa: PLC0415
+    from hotstart.boot.resolve import resolve_model  # noqa: PLC0415
+    from hotstart.model.files import sidecar_files, weight_files  # noqa: PLC0415
 
     model = resolve_model(args.model)
     weights = weight_files(model.path) + sidecar_files(model.path)

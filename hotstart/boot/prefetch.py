@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-from hotstart.boot.cursor import LoadCursor
+from hotstart.model.cursor import LoadCursor
 from hotstart.boot.residency import LOW_BIT, PAGE_SIZE, FileMap, pages
 from hotstart.boot.storage import PrefetchPlan
 

@@ -19,6 +19,7 @@ from hotstart.engine.scheduler import Scheduler
 from hotstart.engine.sequence import Sequence
 from hotstart.errors import HotstartError
 from hotstart.messages import EngineRequest, EngineStats, TokenOutput
+from hotstart.model.files import weight_files
 
 PhaseHook = Callable[[str, float, float, str], None]  # (name, start, end, detail), times from time.time()
 
@@ -121,7 +122,7 @@ class EngineCore:
         model_cfg = load_model_config(cfg.model_path)
         placement = resolve_placement(cfg, model_cfg)
         max_len = max_model_len_for(cfg, model_cfg)
-        files = [p for p in cfg.weight_files] or [str(p) for p in _discover_weights(cfg.model_path)]
+        files = [p for p in cfg.weight_files] or [str(p) for p in weight_files(cfg.model_path)]
         phase("engine config", t, f"{model_cfg.architecture} on {placement.device} {str(placement.dtype)[6:]}")
 
         t = time.time()
@@ -217,9 +218,3 @@ class EngineCore:
                     self.scheduler.remove(seq)
                     del self.seqs[seq.request_id]
         return outputs
-
-
-def _discover_weights(model_path: str):
-    from hotstart.boot.resolve import weight_files  # noqa: PLC0415
-
-    return weight_files(model_path)

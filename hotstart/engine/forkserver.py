@@ -22,7 +22,7 @@ import time
 
 T_IMPORT = time.time()
 
-from hotstart.boot.procutil import die_with_parent  # noqa: E402
+from hotstart.procs import die_with_parent  # noqa: E402
 
 if __name__ == "__main__":
     # Before the heavy preload: if the API process dies while torch imports, so do we.

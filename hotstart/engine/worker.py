@@ -48,7 +48,7 @@ def run_engine(cfg: EngineConfig, in_addr: str, out_addr: str) -> int:
     cursor = None
     try:
         if cfg.cursor_path:
-            from hotstart.boot.cursor import LoadCursor  # noqa: PLC0415 - tiny, torch-free
+            from hotstart.model.cursor import LoadCursor  # noqa: PLC0415 - tiny, torch-free
 
             try:
                 cursor = LoadCursor.open(cfg.cursor_path)

@@ -31,12 +31,12 @@ from hotstart.server.generation import (
     unless_disconnected,
 )
 from hotstart.server.metrics import CONTENT_TYPE, Metrics
-from hotstart.server.tokenizer import ChatTemplateError
+from hotstart.text.tokenizer import ChatTemplateError
 
 if TYPE_CHECKING:
     from hotstart.messages import SamplingParams
     from hotstart.server.engine_client import EngineClient
-    from hotstart.server.tokenizer import Tokenizer
+    from hotstart.text.tokenizer import Tokenizer
 
 log = logging.getLogger("hotstart")
 _json = msgspec.json.Encoder()

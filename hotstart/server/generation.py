@@ -16,7 +16,7 @@ import msgspec
 from starlette.responses import StreamingResponse
 
 from hotstart.server.protocol import error_body
-from hotstart.server.tokenizer import IncrementalDetokenizer
+from hotstart.text.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
     from hotstart.messages import SamplingParams

@@ -51,7 +51,7 @@ def _bind(host: str, port: int) -> socket.socket:
 def _start_prefetch(args: argparse.Namespace, model_path, files, cursor, timeline: Timeline):
     """Start the sidecar and weight prefetchers (daemon threads, reads only); the weights one or None."""
     from hotstart.boot.prefetch import Prefetcher  # noqa: PLC0415
-    from hotstart.boot.resolve import sidecar_files  # noqa: PLC0415
+    from hotstart.model.files import sidecar_files  # noqa: PLC0415
     from hotstart.boot.storage import PrefetchOverrides, plan_for  # noqa: PLC0415
 
     with timeline.phase("prefetch started") as ev:
@@ -78,7 +78,8 @@ def run_serve(args: argparse.Namespace, t0: float, launcher: EngineLauncher) -> 
     prefetcher = cursor = None
     client = None
     try:
-        from hotstart.boot.resolve import resolve_model, weight_files  # noqa: PLC0415
+        from hotstart.boot.resolve import resolve_model  # noqa: PLC0415
+    from hotstart.model.files import weight_files  # noqa: PLC0415
 
         with timeline.phase("model resolved") as ev:
             model = resolve_model(args.model, args.revision)
@@ -86,7 +87,7 @@ def run_serve(args: argparse.Namespace, t0: float, launcher: EngineLauncher) -> 
             ev.detail = f"{model.source}: {model.path}"
         use_prefetch = args.prefetch and not serial
         if use_prefetch:
-            from hotstart.boot.cursor import LoadCursor  # noqa: PLC0415
+            from hotstart.model.cursor import LoadCursor  # noqa: PLC0415
 
             cursor = LoadCursor.create()
         engine_cfg = EngineConfig(
@@ -106,7 +107,7 @@ def run_serve(args: argparse.Namespace, t0: float, launcher: EngineLauncher) -> 
         client = EngineClient(launcher, engine_cfg, timeline, auto_restart=args.restart)
         with timeline.phase("web stack imported"):
             from hotstart.server.api import ApiSettings, build_app  # noqa: PLC0415
-            from hotstart.server.tokenizer import Tokenizer  # noqa: PLC0415
+            from hotstart.text.tokenizer import Tokenizer  # noqa: PLC0415
         with timeline.phase("tokenizer loaded"):
             tokenizer = Tokenizer.from_dir(model.path)
         names = args.served_model_name or [model.name]

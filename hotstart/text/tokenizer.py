@@ -1,7 +1,7 @@
 """Tokenizer and chat template for the API process, without transformers or torch.
 
 Ids come from the `tokenizers` library on the model's tokenizer.json. Chat templates are rendered by
-hotstart.server.chat_template the way transformers renders them, so prompts and ids match
+hotstart.text.chat_template the way transformers renders them, so prompts and ids match
 `AutoTokenizer.apply_chat_template` on the same folder.
 """
 
@@ -16,7 +16,7 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as _Backend
 
 from hotstart.errors import HotstartError
-from hotstart.server.chat_template import (  # noqa: F401 - ChatTemplateError is part of this module's API
+from hotstart.text.chat_template import (  # noqa: F401 - ChatTemplateError is part of this module's API
     ChatTemplateError,
     _alias_reasoning,
     _cut_at_tag,

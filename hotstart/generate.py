@@ -10,11 +10,12 @@ from hotstart.errors import HotstartError
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from hotstart.boot.resolve import resolve_model, weight_files  # noqa: PLC0415
+    from hotstart.boot.resolve import resolve_model  # noqa: PLC0415
+    from hotstart.model.files import weight_files  # noqa: PLC0415
     from hotstart.config import EngineConfig  # noqa: PLC0415
     from hotstart.engine.core import EngineCore  # noqa: PLC0415 - imports torch
     from hotstart.messages import EngineRequest, SamplingParams  # noqa: PLC0415
-    from hotstart.server.tokenizer import IncrementalDetokenizer, Tokenizer  # noqa: PLC0415
+    from hotstart.text.tokenizer import IncrementalDetokenizer, Tokenizer  # noqa: PLC0415
 
     if args.temperature < 0 or args.temperature != args.temperature:
         raise HotstartError(f"--temperature must be >= 0, got {args.temperature}")
