@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_bench_command(args)
         if args.command == "timeline":
-            from hotstart.boot.timeline import render_png  # noqa: PLC0415
+            from hotstart.boot.timeline_png import render_png  # noqa: PLC0415
 
             import json  # noqa: PLC0415
 

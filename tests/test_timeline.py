@@ -4,7 +4,8 @@ import json
 import threading
 import time
 
-from hotstart.boot.timeline import Timeline, from_chrome_trace, render_png
+from hotstart.boot.timeline import Timeline, from_chrome_trace
+from hotstart.boot.timeline_png import render_png
 
 
 def _sample() -> Timeline:

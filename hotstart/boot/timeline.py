@@ -2,8 +2,8 @@
 
 Each process keeps a Timeline with the same t0 (time.time() at launch, handed to child processes),
 so their events line up; a child sends `to_json()` to the API process, which `merge()`s it. The
-timeline is printed as log lines, served as JSON, written as a Chrome/Perfetto trace, and drawn as a
-PNG (`render_png`, matplotlib imported lazily: only the CLI draws, never the server).
+timeline is printed as log lines, served as JSON and written as a Chrome/Perfetto trace; the CLI draws
+it as a PNG (hotstart/boot/timeline_png.py, never imported by the server).
 """
 
 from __future__ import annotations
@@ -12,61 +12,49 @@ import json
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Callable, Iterator
 
-
-@dataclass
-class Event:
-    """One phase (start < end) or instant mark (start == end); times are absolute time.time()."""
-    name: str
-    start: float
-    end: float
-    process: str = "api"
-    detail: str = ""
-
-    @property
-    def duration(self) -> float:
-        return self.end - self.start
+from hotstart.messages import Span
 
 
 class Timeline:
-    """Thread-safe collection of startup events relative to a common launch time `t0`."""
+    """Thread-safe collection of startup spans (phases and marks) relative to a common launch time `t0`."""
 
-    def __init__(self, t0: float, on_event: Callable[[Event], None] | None = None):
+    def __init__(self, t0: float, on_event: Callable[[Span], None] | None = None):
         self.t0 = t0
         self.on_event = on_event  # called with each recorded event (the serve command logs it)
-        self._events: list[Event] = []
+        self._events: list[Span] = []
         self._lock = threading.Lock()
 
-    def _record(self, ev: Event) -> Event:
+    def record(self, ev: Span) -> Span:
+        """Record a span made elsewhere (another process's phase)."""
         with self._lock:
             self._events.append(ev)
         if self.on_event is not None:
             self.on_event(ev)
         return ev
 
-    def add(self, name: str, start: float, end: float, process: str = "api", detail: str = "") -> Event:
+    def add(self, name: str, start: float, end: float, process: str = "api", detail: str = "") -> Span:
         """Record a phase with absolute start/end times (time.time())."""
-        return self._record(Event(name, start, end, process, detail))
+        return self.record(Span(name, start, end, process, detail))
 
     @contextmanager
-    def phase(self, name: str, process: str = "api", detail: str = "") -> Iterator[Event]:
-        """Time the block as a phase. The yielded Event's `detail` may be set inside the block."""
-        ev = Event(name, time.time(), 0.0, process, detail)
+    def phase(self, name: str, process: str = "api", detail: str = "") -> Iterator[Span]:
+        """Time the block as a phase. The yielded Span's `detail` may be set inside the block."""
+        ev = Span(name, time.time(), 0.0, process, detail)
         try:
             yield ev
         finally:
             ev.end = time.time()
-            self._record(ev)
+            self.record(ev)
 
-    def mark(self, name: str, process: str = "api", detail: str = "") -> Event:
+    def mark(self, name: str, process: str = "api", detail: str = "") -> Span:
         """Record an instant (e.g. "ready")."""
         now = time.time()
         return self.add(name, now, now, process, detail)
 
     @property
-    def events(self) -> list[Event]:
+    def events(self) -> list[Span]:
         """All events ordered by start time (ties keep insertion order)."""
         with self._lock:
             return sorted(self._events, key=lambda e: e.start)
@@ -93,7 +81,7 @@ class Timeline:
         tl.merge(timeline_json)
         return tl
 
-    def log_line(self, event: Event) -> str:
+    def log_line(self, event: Span) -> str:
         """e.g. 'hotstart: [  1.23 s] engine  weights loaded        0.84 s  (269 MB, 0.32 GB/s)';
         the bracket is when the phase ended, relative to t0."""
         line = f"hotstart: [{event.end - self.t0:7.2f} s] {event.process:<7} {event.name:<22}"
@@ -143,60 +131,3 @@ def from_chrome_trace(trace: dict | list) -> dict:
                        "start_s": start, "end_s": start + dur, "duration_s": dur,
                        "detail": e.get("args", {}).get("detail", "")})
     return {"t0": 0.0, "phases": sorted(phases, key=lambda p: p["start_s"])}
-
-
-def _lanes(phases: list[dict]) -> list[list[dict]]:
-    """Pack overlapping phases of one process into sub-rows (greedy by start)."""
-    rows: list[list[dict]] = []
-    for p in sorted(phases, key=lambda p: p["start_s"]):
-        for row in rows:
-            if row[-1]["end_s"] <= p["start_s"]:
-                row.append(p)
-                break
-        else:
-            rows.append([p])
-    return rows
-
-
-def render_png(timeline_json: dict, out_path) -> None:
-    """Draw a Gantt chart of `to_json()` output (or of a Chrome trace from write_chrome_trace): one
-    lane per process (sub-rows where phases overlap), bars labelled with name and duration, marks as
-    dashed lines. Imports matplotlib (Agg, no pyplot) here: CLI use only."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    if isinstance(timeline_json, list) or "traceEvents" in timeline_json:
-        timeline_json = from_chrome_trace(timeline_json)  # a --startup-trace file
-    phases = timeline_json.get("phases", [])
-    procs = list(dict.fromkeys(p["process"] for p in phases))
-    bars = [p for p in phases if p["end_s"] > p["start_s"]]
-    marks = [p for p in phases if p["end_s"] <= p["start_s"]]
-    rows = [(proc, row) for proc in procs for row in _lanes([p for p in bars if p["process"] == proc])
-            or [[]]]
-    end = max([p["end_s"] for p in phases] + [0.01])
-
-    fig = Figure(figsize=(12, 1.2 + 0.6 * len(rows)), dpi=110)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    colors = {proc: f"C{i % 10}" for i, proc in enumerate(procs)}
-    for y, (proc, row) in enumerate(rows):
-        for p in row:
-            ax.barh(y, p["duration_s"], left=p["start_s"], height=0.7, color=colors[proc], alpha=0.8,
-                    edgecolor="black", linewidth=0.5)
-            label = f"{p['name']} {p['duration_s']:.2f}s"
-            if p["duration_s"] > end * 0.011 * len(label):  # fits inside the bar
-                ax.text(p["start_s"] + p["duration_s"] / 2, y, label, va="center", ha="center", fontsize=7)
-            else:  # above the bar's start, so it cannot cover the next bar in the row
-                ax.text(p["start_s"], y - 0.36, label, va="bottom", ha="left", fontsize=6)
-    for m in marks:
-        ax.axvline(m["start_s"], color="grey", linestyle="--", linewidth=0.8)
-        ax.text(m["start_s"], 0.98, f" {m['name']} {m['start_s']:.2f}s", fontsize=7, rotation=90,
-                va="top", ha="right", transform=ax.get_xaxis_transform())
-    ax.set_yticks(range(len(rows)), [proc for proc, _ in rows])
-    ax.invert_yaxis()
-    ax.set_xlim(0, end * 1.08)
-    ax.set_xlabel("seconds since launch")
-    ax.set_title("hotstart startup timeline")
-    ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out_path)
