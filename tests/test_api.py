@@ -34,7 +34,7 @@ TEXT = "The capital of France is Paris. STOP here, then more text follows."
 class FakeEngine:
     def __init__(self, eos: int, max_model_len: int = 256, ready: bool = True) -> None:
         self.eos, self.max_model_len = eos, max_model_len
-        self.ready, self.phase, self.info = False, "loading weights", None
+        self.ready, self.status, self.info = False, "loading weights", None
         if ready:
             self.set_ready()
         self.stats = EngineStats(num_running=1, num_waiting=2, kv_blocks_used=25, kv_blocks_total=100)
@@ -47,7 +47,7 @@ class FakeEngine:
         self.error_after: int | None = None  # finish_reason "error" after this many tokens
 
     def set_ready(self) -> None:
-        self.ready, self.phase = True, "ready"
+        self.ready, self.status = True, "ready"
         self.info = EngineReady(pid=1, device="cpu", dtype="bfloat16", max_model_len=self.max_model_len,
                                 block_size=16, num_kv_blocks=100, max_num_seqs=8)
 
@@ -91,11 +91,13 @@ def engine(tok) -> FakeEngine:
     return FakeEngine(tok.eos_token_id)
 
 
-def make_client(engine, tok, **kw):
+def make_client(engine, tok, prefetch_stats=None, **kw):
     from starlette.testclient import TestClient
 
     settings = ApiSettings(served_model_names=[MODEL, "alias"], **kw)
-    return TestClient(build_app(engine, tok, settings), raise_server_exceptions=False)
+    app = build_app(engine, tok, settings)
+    app.state.prefetch_stats = prefetch_stats  # as the serve command sets it after build_app
+    return TestClient(app, raise_server_exceptions=False)
 
 
 @pytest.fixture

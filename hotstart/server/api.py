@@ -1,5 +1,8 @@
 """The OpenAI-compatible HTTP API (torch-free): build_app(engine, tokenizer, settings) -> FastAPI.
 
+OpenAIServing holds the endpoints and their checks; build_app adds the HTTP shell around it (routes,
+exception handlers, the _Gate middleware: API key, request counting, last-resort 500).
+
 Bodies are read and decoded by hand (size limit, content type, msgspec schemas) instead of through
 FastAPI's pydantic body parameters: no model building at startup, and every error is OpenAI's JSON
 shape with the offending `param` rather than FastAPI's 422 detail list.
@@ -11,7 +14,6 @@ import hmac
 import logging
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -20,8 +22,8 @@ from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from hotstart.server import protocol as P
 from hotstart.server.engine_client import EngineDeadError
+from hotstart.server.errors import ApiError, bad_param, describe
 from hotstart.server.generation import (
     Generation,
     GenerationError,
@@ -31,6 +33,17 @@ from hotstart.server.generation import (
     unless_disconnected,
 )
 from hotstart.server.metrics import CONTENT_TYPE, Metrics
+from hotstart.server.schemas import ChatCompletionRequest, CompletionRequest, decode_request, read_body
+from hotstart.server.validation import (
+    chat_messages,
+    check_chat,
+    check_completion,
+    check_token_ids,
+    completion_prompt,
+    sampling_params,
+    stop_strings,
+    template_kwargs,
+)
 from hotstart.text.tokenizer import ChatTemplateError
 
 if TYPE_CHECKING:
@@ -41,10 +54,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("hotstart")
 _json = msgspec.json.Encoder()
 ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/startup", "/metrics"}
-# chat_template_kwargs may set template variables, not the arguments the server itself controls
-# ("self" too: it would collide with the tokenizer method's own parameter)
-_RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "documents", "add_generation_prompt", "chat_template",
-                             "continue_final_message", "self"}
 
 
 @dataclass
@@ -61,29 +70,17 @@ class ApiSettings:
     max_request_bytes: int = 1 << 20
     """Larger request bodies are refused with 413."""
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
-    """temperature / top_p / top_k when a request omits them (protocol.read_generation_config)."""
+    """temperature / top_p / top_k when a request omits them (validation.read_generation_config)."""
     vocab_size: int | None = None
     """Token ids in prompts and stop_token_ids must be below it (default: the tokenizer's)."""
-    prefetch_stats: Callable[[], dict] | None = None
-    """Shown under "prefetch" in /startup (setting app.state.prefetch_stats later works too)."""
 
 
 def json_response(obj: Any, status: int = 200) -> Response:
     return Response(_json.encode(obj), status_code=status, media_type="application/json")
 
 
-def error_response(err: P.ApiError) -> Response:
+def error_response(err: ApiError) -> Response:
     return json_response(err.body(), err.status)
-
-
-def describe(exc: BaseException) -> str:
-    """An unexpected exception for the log: its type and where it was raised. Not its message, nor a
-    traceback with locals: either can hold request data (prompt text, keys)."""
-    tb, where = exc.__traceback__, "?"
-    while tb is not None:
-        where = f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}"
-        tb = tb.tb_next
-    return f"{type(exc).__name__} at {where}"
 
 
 class _Gate:
@@ -126,14 +123,14 @@ class _Gate:
 
         try:
             if self.key is not None and path not in self.OPEN_PATHS and not self.authorized(scope):
-                err = P.ApiError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`",
-                                 code="invalid_api_key")
+                err = ApiError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`",
+                               code="invalid_api_key")
                 return await error_response(err)(scope, receive, send_counted)
             await self.app(scope, receive, send_counted)
         except Exception as exc:  # noqa: BLE001 - the last resort: answer, log one line, keep serving
             log.error("hotstart: internal error on %s: %s", path, describe(exc))
             if not started:
-                err = P.ApiError(500, "internal server error", code="internal_error")
+                err = ApiError(500, "internal server error", code="internal_error")
                 await error_response(err)(scope, receive, send_counted)
             else:
                 status = 500
@@ -141,87 +138,106 @@ class _Gate:
             self.metrics.observe_request(endpoint, status)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The raw body: JSON content type (or none), at most LIMIT bytes (413), counted while streaming."""
-    ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
-    if ctype != "application/json" and not ctype.endswith("+json"):
-        raise P.ApiError(415, f"Content-Type must be application/json, got `{ctype}`",
-                         code="unsupported_media_type")
-    too_big = P.ApiError(413, f"request body is larger than {limit} bytes", code="request_too_large")
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_big
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_big
-        chunks.append(chunk)
-    return b"".join(chunks)
+class OpenAIServing:
+    """The OpenAI endpoints over one engine handle and one tokenizer, one method per endpoint.
 
+    No HTTP plumbing here (build_app registers the bound methods as routes): each endpoint returns a
+    Response or raises ApiError, and its pieces (check_model, model_card, prepare_chat, ...) can be
+    called directly. The engine handle needs `ready`, `status`, `info`, `stats`, `timeline` and
+    `generate()` (EngineClient's interface)."""
 
-def build_app(engine: EngineClient, tokenizer: Tokenizer, settings: ApiSettings) -> FastAPI:
-    """The app. `app.state.metrics` is its Metrics; `app.state.set_startup_seconds(s)` sets the
-    startup-duration gauge (the serve command calls it once the engine is ready)."""
-    if not settings.served_model_names:
-        raise ValueError("ApiSettings.served_model_names must name at least one model")
-    app = FastAPI(title="hotstart", docs_url=None, redoc_url=None, openapi_url=None)
-    metrics = Metrics()
-    app.state.metrics = metrics
-    app.state.set_startup_seconds = metrics.set_startup_duration
-    app.state.prefetch_stats = settings.prefetch_stats
-    app.add_middleware(_Gate, settings=settings, metrics=metrics)
-    created = int(time.time())
-    names = list(settings.served_model_names)
-    vocab_size = settings.vocab_size or getattr(tokenizer, "vocab_size", None)
-    served_once: list[str] = []
+    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, settings: ApiSettings) -> None:
+        if not settings.served_model_names:
+            raise ValueError("ApiSettings.served_model_names must name at least one model")
+        self.engine, self.tokenizer, self.settings = engine, tokenizer, settings
+        self.metrics = Metrics()
+        self.names = list(settings.served_model_names)
+        self.created = int(time.time())
+        self.vocab_size = settings.vocab_size or getattr(tokenizer, "vocab_size", None)
+        self._served_once = False
 
-    @app.exception_handler(P.ApiError)
-    async def _api_error(request: Request, exc: P.ApiError) -> Response:
-        return error_response(exc)
+    # --- checks and helpers --------------------------------------------------------------------
+    @property
+    def max_model_len(self) -> int | None:
+        info = self.engine.info
+        return info.max_model_len if info is not None else self.settings.max_model_len
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        msg = f"{request.method} {request.url.path}: {exc.detail}"
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return error_response(P.ApiError(exc.status_code, msg, code=code))
+    def check_model(self, name: str) -> str:
+        """The name reported in responses (the first served one), or 404 if NAME is not served."""
+        if name not in self.names:
+            raise ApiError(404, f"The model `{name}` does not exist. Served: {', '.join(self.names)}",
+                           param="model", code="model_not_found")
+        return self.names[0]
 
-    def max_model_len() -> int | None:
-        return engine.info.max_model_len if engine.info is not None else settings.max_model_len
+    def require_ready(self) -> None:
+        if not self.engine.ready:
+            raise ApiError(503, f"the engine is not ready ({self.engine.status})", code="engine_not_ready")
 
-    def check_model(name: str) -> str:
-        if name not in names:
-            raise P.ApiError(404, f"The model `{name}` does not exist. Served: {', '.join(names)}",
-                             param="model", code="model_not_found")
-        return names[0]
-
-    def require_ready() -> None:
-        if not engine.ready:
-            raise P.ApiError(503, f"the engine is not ready ({engine.phase})", code="engine_not_ready")
-
-    def sampling(req: Any, max_tokens: int | None, max_param: str, n_prompt: int, prompt_param: str
+    def sampling(self, req: Any, max_tokens: int | None, max_param: str, n_prompt: int, prompt_param: str
                  ) -> SamplingParams:
-        return P.sampling_params(req, max_tokens, max_param, n_prompt, prompt_param, max_model_len(),
-                                 settings.sampling_defaults, vocab_size)
+        return sampling_params(req, max_tokens, max_param, n_prompt, prompt_param, self.max_model_len,
+                               self.settings.sampling_defaults, self.vocab_size)
 
-    def engine_error(e: Exception) -> P.ApiError:
+    @staticmethod
+    def engine_error(e: Exception) -> ApiError:
+        """What a failure while generating is answered with."""
         if isinstance(e, EngineDeadError):
-            return P.ApiError(503, f"the engine stopped while running this request ({e})", code="engine_dead")
+            return ApiError(503, f"the engine stopped while running this request ({e})", code="engine_dead")
         if isinstance(e, GenerationError):
-            return P.ApiError(500, f"the engine could not run this request: {e}", code="engine_error")
+            return ApiError(500, f"the engine could not run this request: {e}", code="engine_error")
         log.error("hotstart: internal error while generating: %s", describe(e))
-        return P.ApiError(500, "internal server error", code="internal_error")
+        return ApiError(500, "internal server error", code="internal_error")
 
-    def mark_served(reason: str) -> None:
-        if not served_once:
-            served_once.append(reason)
-            engine.timeline.mark("first request served")
+    def mark_served(self, reason: str) -> None:
+        """Generation's callback: the first served request is a timeline event."""
+        if not self._served_once:
+            self._served_once = True
+            self.engine.timeline.mark("first request served")
 
-    async def run(request: Request, req: Any, model: str, ids: list[int], params: SamplingParams,
+    def model_card(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "hotstart",
+                "root": self.names[0], "parent": None, "max_model_len": self.max_model_len}
+
+    def prepare_chat(self, req: ChatCompletionRequest) -> tuple[str, list[int], SamplingParams]:
+        """(model, prompt ids, sampling params) of a chat request, or ApiError."""
+        model = self.check_model(req.model)
+        check_chat(req)
+        messages = chat_messages(req)
+        kwargs = template_kwargs(req)
+        self.require_ready()
+        tools = req.tools if req.tool_choice != "none" else None
+        try:
+            ids = self.tokenizer.encode_chat(messages, req.add_generation_prompt, tools, **kwargs)
+        except ChatTemplateError as e:
+            raise ApiError(400, str(e), param="messages", code="chat_template_error") from None
+        max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        params = self.sampling(req, req.max_completion_tokens or req.max_tokens, max_param, len(ids), "messages")
+        return model, ids, params
+
+    def prepare_completion(self, req: CompletionRequest) -> tuple[str, list[int], SamplingParams, str]:
+        """(model, prompt ids, sampling params, echoed prompt text) of a completion request, or ApiError."""
+        model = self.check_model(req.model)
+        check_completion(req)
+        prompt = completion_prompt(req.prompt)
+        self.require_ready()
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            check_token_ids(prompt, self.vocab_size, "prompt")
+            ids = prompt
+        if not ids:
+            raise bad_param("prompt", "the prompt encodes to no tokens")
+        params = self.sampling(req, req.max_tokens, "max_tokens", len(ids), "prompt")
+        echo = "" if not req.echo else prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+        return model, ids, params, echo
+
+    async def run(self, request: Request, req: Any, model: str, ids: list[int], params: SamplingParams,
                   t0: float, chat: bool, echo: str = "") -> Response:
+        """Generate: an SSE stream if `req.stream`, else the whole answer (499 if the client left)."""
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        metrics.prompt_tokens.inc(len(ids))
-        gen = Generation(engine, tokenizer, rid, ids, params, P.stop_strings(req), metrics, t0, mark_served)
+        self.metrics.prompt_tokens.inc(len(ids))
+        gen = Generation(self.engine, self.tokenizer, rid, ids, params, stop_strings(req), self.metrics, t0,
+                         self.mark_served)
         head: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                                 "created": int(time.time()), "model": model}
         if chat:
@@ -229,19 +245,11 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, settings: ApiSettings)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return SSEResponse(sse_events(gen, head, chat, include_usage, prefix=echo,
-                                          on_error=lambda e: engine_error(e).body()))
-
-        async def collect() -> str:
-            stream = gen.deltas()
-            try:
-                return "".join([piece async for piece in stream])
-            finally:
-                await close_shielded(stream)
-
+                                          on_error=lambda e: self.engine_error(e).body()))
         try:
-            finished, text = await unless_disconnected(request.receive, collect)
+            finished, text = await unless_disconnected(request.receive, lambda: self.collect(gen))
         except (EngineDeadError, GenerationError) as e:
-            raise engine_error(e) from None
+            raise self.engine_error(e) from None
         if not finished:
             return Response(status_code=499)  # nobody reads it; the status shows in /metrics
         if chat:
@@ -252,76 +260,84 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, settings: ApiSettings)
             choice = {"index": 0, "text": echo + text, "logprobs": None, "finish_reason": gen.finish_reason}
         return json_response({**head, "choices": [choice], "usage": gen.usage()})
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        t0 = time.perf_counter()
-        body = await read_body(request, settings.max_request_bytes)
-        req = P.decode_request(body, P.ChatCompletionRequest)
-        model = check_model(req.model)
-        P.check_chat(req)
-        messages = P.chat_messages(req)
-        kwargs = dict(req.chat_template_kwargs or {})
-        if reserved := sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys()):
-            raise P.bad_param("chat_template_kwargs", f"cannot set {', '.join(reserved)} here")
-        require_ready()
-        tools = req.tools if req.tool_choice != "none" else None
+    @staticmethod
+    async def collect(gen: Generation) -> str:
+        """The whole generated text (the engine iterator is closed however this ends)."""
+        stream = gen.deltas()
         try:
-            ids = tokenizer.encode_chat(messages, req.add_generation_prompt, tools, **kwargs)
-        except ChatTemplateError as e:
-            raise P.ApiError(400, str(e), param="messages", code="chat_template_error") from None
-        max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        params = sampling(req, req.max_completion_tokens or req.max_tokens, max_param, len(ids), "messages")
-        return await run(request, req, model, ids, params, t0, chat=True)
+            return "".join([piece async for piece in stream])
+        finally:
+            await close_shielded(stream)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
+    def startup_body(self, prefetch_stats: Any) -> dict[str, Any]:
+        """The timeline, plus "prefetch": PREFETCH_STATS() (or the value itself) when it is set."""
+        body = dict(self.engine.timeline.to_json())
+        if prefetch_stats is not None:
+            body["prefetch"] = prefetch_stats() if callable(prefetch_stats) else prefetch_stats
+        return body
+
+    # --- endpoints -----------------------------------------------------------------------------
+    async def chat_completions(self, request: Request) -> Response:
         t0 = time.perf_counter()
-        req = P.decode_request(await read_body(request, settings.max_request_bytes), P.CompletionRequest)
-        model = check_model(req.model)
-        P.check_completion(req)
-        prompt = P.completion_prompt(req.prompt)
-        require_ready()
-        if isinstance(prompt, str):
-            ids = tokenizer.encode(prompt, add_special_tokens=True)
-        else:
-            P.check_token_ids(prompt, vocab_size, "prompt")
-            ids = prompt
-        if not ids:
-            raise P.bad_param("prompt", "the prompt encodes to no tokens")
-        params = sampling(req, req.max_tokens, "max_tokens", len(ids), "prompt")
-        echo = "" if not req.echo else prompt if isinstance(prompt, str) else tokenizer.decode(ids)
-        return await run(request, req, model, ids, params, t0, chat=False, echo=echo)
+        body = await read_body(request, self.settings.max_request_bytes)
+        req = decode_request(body, ChatCompletionRequest)
+        model, ids, params = self.prepare_chat(req)
+        return await self.run(request, req, model, ids, params, t0, chat=True)
 
-    def model_card(name: str) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": created, "owned_by": "hotstart",
-                "root": names[0], "parent": None, "max_model_len": max_model_len()}
+    async def completions(self, request: Request) -> Response:
+        t0 = time.perf_counter()
+        req = decode_request(await read_body(request, self.settings.max_request_bytes), CompletionRequest)
+        model, ids, params, echo = self.prepare_completion(req)
+        return await self.run(request, req, model, ids, params, t0, chat=False, echo=echo)
 
-    @app.get("/v1/models")
-    async def list_models() -> Response:
-        return json_response({"object": "list", "data": [model_card(n) for n in names]})
+    async def list_models(self) -> Response:
+        return json_response({"object": "list", "data": [self.model_card(n) for n in self.names]})
 
-    @app.get("/v1/models/{name:path}")
-    async def get_model(name: str) -> Response:
-        check_model(name)
-        return json_response(model_card(name))
+    async def get_model(self, name: str) -> Response:
+        self.check_model(name)
+        return json_response(self.model_card(name))
 
-    @app.get("/health")
-    async def health() -> Response:
-        if engine.ready:
+    async def health(self) -> Response:
+        if self.engine.ready:
             return json_response({"status": "ready"})
-        return json_response({"status": engine.phase}, 503)
+        return json_response({"status": self.engine.status}, 503)
 
-    @app.get("/startup")
-    async def startup() -> Response:
-        body = dict(engine.timeline.to_json())
-        stats = app.state.prefetch_stats
-        if stats is not None:
-            body["prefetch"] = stats() if callable(stats) else stats
-        return json_response(body)
+    async def startup(self, request: Request) -> Response:
+        # app.state.prefetch_stats: the serve command sets it once the prefetcher exists
+        return json_response(self.startup_body(request.app.state.prefetch_stats))
 
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        metrics.update_engine(engine.stats, engine.ready)
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+    async def prometheus(self) -> Response:
+        self.metrics.update_engine(self.engine.stats, self.engine.ready)
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
+
+async def _api_error(request: Request, exc: ApiError) -> Response:
+    return error_response(exc)
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    msg = f"{request.method} {request.url.path}: {exc.detail}"
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return error_response(ApiError(exc.status_code, msg, code=code))
+
+
+def build_app(engine: EngineClient, tokenizer: Tokenizer, settings: ApiSettings) -> FastAPI:
+    """The app. `app.state.metrics` is its Metrics; `app.state.set_startup_seconds(s)` sets the
+    startup-duration gauge (the serve command calls it once the engine is ready); setting
+    `app.state.prefetch_stats` to a callable adds its result under "prefetch" in /startup."""
+    serving = OpenAIServing(engine, tokenizer, settings)
+    app = FastAPI(title="hotstart", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.metrics = serving.metrics
+    app.state.set_startup_seconds = serving.metrics.set_startup_duration
+    app.state.prefetch_stats = None
+    app.add_middleware(_Gate, settings=settings, metrics=serving.metrics)
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_api_route("/v1/chat/completions", serving.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/completions", serving.completions, methods=["POST"])
+    app.add_api_route("/v1/models", serving.list_models, methods=["GET"])
+    app.add_api_route("/v1/models/{name:path}", serving.get_model, methods=["GET"])
+    app.add_api_route("/health", serving.health, methods=["GET"])
+    app.add_api_route("/startup", serving.startup, methods=["GET"])
+    app.add_api_route("/metrics", serving.prometheus, methods=["GET"])
     return app

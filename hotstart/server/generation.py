@@ -15,7 +15,7 @@ import anyio
 import msgspec
 from starlette.responses import StreamingResponse
 
-from hotstart.server.protocol import error_body
+from hotstart.server.errors import error_body
 from hotstart.text.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:

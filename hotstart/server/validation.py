@@ -1,134 +1,29 @@
-"""OpenAI request schemas, their validation, and OpenAI-shaped errors (torch-free).
-
-Schemas are msgspec Structs rather than pydantic models: measured here, building three pydantic
-models costs ~90 ms at startup and parsing a small chat request ~4 us; the msgspec equivalents cost
-~5 ms and ~0.6 us, and msgspec's errors name the offending field (`at $.messages[0].role`), which
-becomes the OpenAI error's `param`. Unknown fields are ignored, as the OpenAI API does.
-"""
+"""Validation of decoded OpenAI requests (torch-free): range checks, unsupported features, prompts,
+and the engine's SamplingParams. Every failure is an ApiError 400 naming the offending `param`."""
 
 from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
-from typing import Any
-
-import msgspec
+from typing import TYPE_CHECKING, Any
 
 from hotstart.messages import SamplingParams
+from hotstart.server.errors import ApiError, bad_param, unsupported
+from hotstart.server.schemas import MAX_JSON_DEPTH
+
+if TYPE_CHECKING:
+    from hotstart.server.schemas import ChatCompletionRequest, CompletionRequest, _Common
 
 MAX_STOP_STRINGS = 16
-# Free-form JSON (tools, tool_calls, content parts, chat_template_kwargs, ...) may nest this deep: enough
-# for any JSON schema, and far below the recursion limit of the code that walks it (chat templates).
-MAX_JSON_DEPTH = 64
 PENALTY_RANGE = 2.0  # OpenAI's range for presence_penalty / frequency_penalty: [-2, 2]
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
               "tool": "tool"}
 INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
-
-
-class ApiError(Exception):
-    """An error answered as OpenAI's body: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None) -> None:  # noqa: A002 - OpenAI's field name
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type or ("server_error" if status >= 500 else "invalid_request_error")
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,  # noqa: A002
-               code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def bad_param(param: str, message: str) -> ApiError:
-    return ApiError(400, message, param=param, code="invalid_value")
-
-
-def unsupported(param: str, what: str) -> ApiError:
-    return ApiError(400, f"{what} is not supported by hotstart", param=param, code="unsupported_parameter")
-
-
-class StreamOptions(msgspec.Struct):
-    include_usage: bool | None = False
-
-
-class ChatMessage(msgspec.Struct):
-    role: str
-    content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
-
-
-class _Common(msgspec.Struct, kw_only=True):
-    """Fields shared by /v1/chat/completions and /v1/completions."""
-
-    model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    n: int | None = 1
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
-
-
-class ChatCompletionRequest(_Common, kw_only=True):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = False
-    top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
-
-
-class CompletionRequest(_Common, kw_only=True):
-    prompt: Any  # str | list[str] | list[int] | list[list[int]]: checked by completion_prompt()
-    echo: bool | None = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
-
-
-_AT = re.compile(r" - at `\$\.?(.*)`$")
-
-
-def decode_request(body: bytes, cls: type[msgspec.Struct]) -> Any:
-    """bytes -> CLS, or ApiError 400 naming the offending parameter."""
-    try:
-        return msgspec.json.decode(body, type=cls)
-    except msgspec.ValidationError as e:
-        msg = str(e)
-        m = _AT.search(msg)
-        param = m.group(1) if m else None
-        if msg.startswith("Object missing required field"):
-            missing = msg.split("`")[1]
-            param = f"{param}.{missing}" if param else missing
-        return_msg = _AT.sub("", msg) + (f" (parameter `{param}`)" if param else "")
-        raise ApiError(400, return_msg, param=param, code="invalid_type") from None
-    except msgspec.DecodeError as e:
-        raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
-    except RecursionError:  # msgspec's own depth limit (~1000 levels)
-        raise ApiError(400, f"the body is nested too deeply (at most {MAX_JSON_DEPTH} levels)",
-                       code="invalid_json") from None
+# chat_template_kwargs may set template variables, not the arguments the server itself controls
+# ("self" too: it would collide with the tokenizer method's own parameter)
+_RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "documents", "add_generation_prompt", "chat_template",
+                             "continue_final_message", "self"}
 
 
 def check_depth(value: Any, param: str, limit: int = MAX_JSON_DEPTH) -> None:
@@ -289,6 +184,14 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
                 msg[key] = getattr(m, key)
         out.append(msg)
     return out
+
+
+def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
+    """`chat_template_kwargs` as keyword arguments for the chat template, or 400 naming a reserved one."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    if reserved := sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys()):
+        raise bad_param("chat_template_kwargs", f"cannot set {', '.join(reserved)} here")
+    return kwargs
 
 
 def completion_prompt(prompt: Any) -> str | list[int]:

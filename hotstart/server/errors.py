@@ -1,0 +1,41 @@
+"""OpenAI-shaped errors (torch-free): {"error": {"message", "type", "param", "code"}}."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI's body: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or ("server_error" if status >= 500 else "invalid_request_error")
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_param(param: str, message: str) -> ApiError:
+    return ApiError(400, message, param=param, code="invalid_value")
+
+
+def unsupported(param: str, what: str) -> ApiError:
+    return ApiError(400, f"{what} is not supported by hotstart", param=param, code="unsupported_parameter")
+
+
+def describe(exc: BaseException) -> str:
+    """An unexpected exception for the log: its type and where it was raised. Not its message, nor a
+    traceback with locals: either can hold request data (prompt text, keys)."""
+    tb, where = exc.__traceback__, "?"
+    while tb is not None:
+        where = f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return f"{type(exc).__name__} at {where}"
