@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from hotstart.errors import ModelConfigError
+from hotstart.flags import at_least_one, fraction, name, non_negative, option, port, values
 
 # architecture name in config.json -> (family, attention bias default, q/k RMSNorm)
 ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
@@ -201,31 +203,66 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """What the engine process needs to start; sent from the API process as soon as it is known."""
+    """What the engine process needs to start; sent from the API process as soon as it is known.
+    Fields declared with option() are also `hotstart serve` / `generate` flags (hotstart.flags)."""
 
     model_path: str
-    """Model folder (config.json + safetensors)."""
-    weight_files: tuple[str, ...] = ()
-    """Weight files in load order (empty: discover in the engine)."""
-    device: str = "auto"
-    """auto | cpu | cuda | cuda:N."""
-    dtype: str = "auto"
-    """auto (float32 on CPU, the checkpoint's dtype on CUDA) | bfloat16 | float16 | float32."""
-    max_model_len: int | None = None
-    """Longest prompt + completion in tokens (default: the model's max_position_embeddings)."""
-    max_num_seqs: int = 64
-    """Most sequences decoded together in one step."""
-    max_num_batched_tokens: int = 2048
-    """Token budget of one step (prefill chunks + decodes)."""
-    block_size: int = 16
-    """Tokens per KV-cache block."""
-    kv_cache_memory: int | None = None
-    """Bytes for the KV cache (default: CPU min(4 GiB, enough for max_num_seqs x max_model_len), CUDA from gpu_memory_utilization)."""
-    gpu_memory_utilization: float = 0.9
-    """Fraction of GPU memory the engine may use (weights + KV cache)."""
-    seed: int = 0
-    """Seed of the sampler's default generator."""
-    cursor_path: str | None = None
-    """LoadCursor file shared with the API process's prefetcher (None: no coordination)."""
-    t0: float = 0.0
-    """Launch time (time.time()) for the startup timeline."""
+    weight_files: tuple[str, ...] = ()  # in load order (empty: discover in the engine)
+    device: str = option("auto", "where the model runs", choices=["auto", "cpu", "cuda"])
+    dtype: str = option("auto", "auto: the checkpoint's dtype where the hardware computes it natively, else float32",
+                        choices=["auto", "bfloat16", "float16", "float32"])
+    max_model_len: int | None = option(None, "longest prompt + completion in tokens "
+                                             "(default: the model's max_position_embeddings)", type=at_least_one)
+    max_num_seqs: int = option(64, "most sequences batched in one step", type=at_least_one)
+    max_num_batched_tokens: int = option(2048, "token budget of one step (prefill chunks + decodes)", type=at_least_one)
+    block_size: int = option(16, "tokens per KV-cache block", type=at_least_one)
+    kv_cache_memory: int | None = option(None, "bytes for the KV cache (default: CPU min(4 GiB, enough for "
+                                               "max-num-seqs x max-model-len), CUDA from --gpu-memory-utilization)",
+                                         type=at_least_one)
+    gpu_memory_utilization: float = option(0.9, "fraction of GPU memory the engine may use (weights + KV cache)",
+                                           type=fraction)
+    seed: int = option(0, "seed of the sampler's default generator", type=int)
+    cursor_path: str | None = None  # LoadCursor file shared with the API process's prefetcher (None: none)
+    t0: float = 0.0  # launch time (time.time()) for the startup timeline
+
+    @classmethod
+    def from_args(cls, args, exclude: tuple[str, ...] = (), **fields: Any) -> EngineConfig:
+        """The engine flags of ARGS (an argparse namespace; not those in EXCLUDE), plus FIELDS (model_path, ...)."""
+        return cls(**values(cls, args, exclude, **fields))
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """`hotstart serve`'s own flags (the engine's are EngineConfig's)."""
+
+    host: str = option("127.0.0.1", "address to bind (0.0.0.0 to expose)")
+    port: int = option(8000, "port (0 picks a free one and prints it)", type=port)
+    served_model_name: tuple[str, ...] | None = option(None, "name(s) clients use for the model (repeatable)",
+                                                       action="append", type=name)
+    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' (prefer the environment variable "
+                                       "HOTSTART_API_KEY: other users can read flags in ps)", env="HOTSTART_API_KEY")
+    max_request_bytes: int = option(1 << 20, "largest accepted request body", type=at_least_one)
+    prespawn: bool = option(True, "start the engine after the API is up, as a fresh interpreter (ablation)",
+                            flag="--no-prespawn", action="store_false")
+    prefetch: bool = option(True, "do not prefetch weights into the page cache (ablation)", flag="--no-prefetch",
+                            action="store_false")
+    prefetch_threads: int | None = option(None, "prefetch reader threads", type=non_negative)
+    prefetch_block_mb: int | None = option(None, "prefetch read size in MiB", type=non_negative)
+    restart: bool = option(True, "do not replace a dead engine or forkserver", flag="--no-restart",
+                           action="store_false")
+    startup_trace: str | None = option(None, "write the startup timeline (Chrome trace JSON)", metavar="FILE")
+    log_level: str = option("info", "log verbosity", choices=["debug", "info", "warning", "error"])
+
+    @classmethod
+    def from_args(cls, args) -> ServeConfig:
+        """The serve flags of ARGS. HOTSTART_SERIAL=1 (the benchmarks' serial baseline) turns every
+        fast-start mechanism off: no forkserver, no prefetch."""
+        cfg = cls(**values(cls, args))
+        if serial_baseline():
+            cfg = replace(cfg, prespawn=False, prefetch=False)
+        return cfg
+
+
+def serial_baseline() -> bool:
+    """HOTSTART_SERIAL=1: every fast-start mechanism off (the baseline the benchmarks compare to)."""
+    return os.environ.get("HOTSTART_SERIAL", "").lower() in ("1", "true", "yes")

@@ -8,6 +8,9 @@ import time
 
 from hotstart.errors import HotstartError
 
+# engine options that make no sense offline (one sequence; --seed is the request's here)
+ENGINE_EXCLUDES = ("max_num_seqs", "max_num_batched_tokens", "seed")
+
 
 def run_generate(args: argparse.Namespace) -> int:
     from hotstart.boot.resolve import resolve_model  # noqa: PLC0415
@@ -27,8 +30,8 @@ def run_generate(args: argparse.Namespace) -> int:
         ids = tok.encode_chat([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
     else:
         ids = tok.encode(args.prompt)
-    cfg = EngineConfig(model_path=str(model.path), weight_files=tuple(str(p) for p in weight_files(model.path)),
-                       device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=1)
+    cfg = EngineConfig.from_args(args, ENGINE_EXCLUDES, model_path=str(model.path), max_num_seqs=1,
+                                 weight_files=tuple(str(p) for p in weight_files(model.path)))
     t_load = time.perf_counter()
     core = EngineCore.build(cfg)
     t_load = time.perf_counter() - t_load

@@ -1,9 +1,34 @@
-"""Typed messages between the API process and the engine process (msgpack via msgspec; torch-free)."""
+"""Typed messages between hotstart's processes (msgpack via msgspec; torch-free).
+
+Two conversations:
+  API process <-> engine (zmq PUSH/PULL over ipc):  ToEngine / FromEngine
+  API process <-> forkserver (a stream socket, framed by hotstart.framing):  ToForkserver / FromForkserver
+Times are time.time() seconds everywhere; a span always has `start` and `end`.
+"""
 
 from __future__ import annotations
 
 import msgspec
 
+from hotstart.config import EngineConfig
+
+
+class Span(msgspec.Struct, tag="span"):
+    """One startup phase (start < end) or instant mark (start == end) of one process: the startup
+    timeline's entry, also sent by the engine as its phases happen."""
+
+    name: str
+    start: float
+    end: float
+    process: str = "api"
+    detail: str = ""
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+# ---- API process <-> engine ---------------------------------------------------------------------
 
 class SamplingParams(msgspec.Struct, frozen=True):
     max_tokens: int
@@ -51,16 +76,6 @@ class StepOutputs(msgspec.Struct, tag="out"):
     stats: EngineStats
 
 
-class Phase(msgspec.Struct, tag="phase"):
-    """A startup phase of the engine process; times are time.time() seconds."""
-
-    name: str
-    start: float
-    end: float
-    process: str = "engine"
-    detail: str = ""
-
-
 class EngineReady(msgspec.Struct, tag="ready"):
     pid: int
     device: str
@@ -78,7 +93,71 @@ class EngineFailed(msgspec.Struct, tag="failed"):
 
 
 ToEngine = EngineRequest | AbortRequest | Shutdown
-FromEngine = StepOutputs | Phase | EngineReady | EngineFailed
+FromEngine = StepOutputs | Span | EngineReady | EngineFailed
+
+
+# ---- API process <-> forkserver -----------------------------------------------------------------
+
+class EngineAddresses(msgspec.Struct, frozen=True):
+    """zmq addresses of one engine generation: requests in, outputs out (private ipc paths)."""
+
+    requests: str
+    outputs: str
+
+
+class SpawnEngine(msgspec.Struct, tag="spawn"):
+    """Fork one engine: WORLD_SIZE rank processes (tensor parallel); rank 0 talks to the API process
+    at ADDRESSES. A generation number is never reused, so nothing of a dead engine reaches its
+    replacement."""
+
+    generation: int
+    config: EngineConfig
+    addresses: EngineAddresses
+    world_size: int = 1
+
+
+class StopEngine(msgspec.Struct, tag="stop-engine"):
+    """Terminate every rank of GENERATION (SIGTERM, SIGKILL after a grace period)."""
+
+    generation: int
+
+
+class StopServer(msgspec.Struct, tag="stop"):
+    """Stop the forkserver: it terminates its engines and exits."""
+
+
+class ServerInfo(msgspec.Struct, tag="info"):
+    """The forkserver's first message: its preload (torch + engine imported) is done."""
+
+    pid: int
+    preload: Span
+    hotstart_version: str
+    python: str  # sys.executable
+    torch_version: str
+
+
+class EngineSpawned(msgspec.Struct, tag="spawned"):
+    generation: int
+    rank: int
+    pid: int
+    fork: Span  # the fork itself, as seen by the forkserver
+
+
+class EngineExited(msgspec.Struct, tag="exited"):
+    generation: int
+    rank: int
+    pid: int
+    code: int  # < 0: killed by signal -code
+
+
+class ForkserverExited(msgspec.Struct, tag="server-exited"):
+    """Made by the client, never sent: the forkserver's socket closed (it died or was killed)."""
+
+    code: int | None = None
+
+
+ToForkserver = SpawnEngine | StopEngine | StopServer
+FromForkserver = ServerInfo | EngineSpawned | EngineExited
 
 encoder = msgspec.msgpack.Encoder()
 to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)

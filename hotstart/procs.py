@@ -1,12 +1,17 @@
-"""Process helpers shared by the API process, the forkserver and the engine (torch-free)."""
+"""Process helpers shared by the API process, the forkserver and the benchmarks (torch-free, stdlib only)."""
 
 from __future__ import annotations
 
 import ctypes
 import os
+import signal
+import subprocess
 import sys
+import time
+from collections.abc import Callable, Iterable
 
 PR_SET_PDEATHSIG = 1
+POLL_S = 0.01
 
 
 def die_with_parent(sig: int) -> None:
@@ -21,3 +26,69 @@ def die_with_parent(sig: int) -> None:
         return
     if os.getppid() != parent:  # the parent died before prctl took effect
         os.kill(os.getpid(), sig)
+
+
+def _signal(target: subprocess.Popen | int, sig: int, group: bool) -> None:
+    pid = target.pid if isinstance(target, subprocess.Popen) else target
+    try:
+        if group:
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _exited(target: subprocess.Popen | int) -> bool:
+    """Whether TARGET is gone. A Popen or a child pid of ours is reaped here (no zombie left)."""
+    if isinstance(target, subprocess.Popen):
+        return target.poll() is not None
+    try:
+        pid, _ = os.waitpid(target, os.WNOHANG)
+        return pid != 0
+    except ChildProcessError:  # not our child (or already reaped): alive while signal 0 reaches it
+        try:
+            os.kill(target, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+
+def terminate_then_kill(targets: Iterable[subprocess.Popen | int], grace: float, *, group: bool = False,
+                        others_alive: Callable[[], bool] | None = None) -> bool:
+    """SIGTERM every target (its process group with GROUP), wait up to GRACE seconds for all of them
+    (and for OTHERS_ALIVE() to turn False), then SIGKILL what is left and reap it.
+
+    Targets are Popen objects or pids (children of ours are reaped). Bounded: returns within about
+    GRACE + 1 s whatever the targets do. Returns True if SIGKILL was needed."""
+    targets = list(targets)
+    for t in targets:
+        _signal(t, signal.SIGTERM, group)
+    deadline = time.monotonic() + max(0.0, grace)
+    left = [t for t in targets if not _exited(t)]
+    while (left or (others_alive is not None and others_alive())) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+        left = [t for t in left if not _exited(t)]
+    pending = left or (others_alive is not None and others_alive())
+    if not pending:
+        return False
+    for t in targets:  # the group may hold members besides its (exited) leader
+        _signal(t, signal.SIGKILL, group)
+    deadline = time.monotonic() + 1.0
+    while left and time.monotonic() < deadline:
+        left = [t for t in left if not _exited(t)]
+        if left:
+            time.sleep(POLL_S)
+    return True
+
+
+def _raise_exit(signum, frame):  # noqa: ARG001
+    raise SystemExit(128 + signum)
+
+
+def exit_on_sigterm() -> None:
+    """Until an event loop takes over: SIGTERM unwinds through `finally` blocks, which stop the
+    forkserver and remove temporary folders (the default action would just vanish)."""
+    signal.signal(signal.SIGTERM, _raise_exit)

@@ -164,3 +164,63 @@ def test_ablations_still_serve(default_model_dir, args, env):
         assert "prefetch started" not in names
     finally:
         s.stop()
+
+
+def _stream_then(s: Server, kill) -> tuple[list[str], float]:
+    """Start a long streaming request, call KILL() after its first chunk; (the remaining data lines,
+    seconds from the kill to the end of the stream)."""
+    with httpx.stream("POST", s.url + "/v1/chat/completions", timeout=60, json={
+            **QUESTION, "stream": True, "max_tokens": 400, "ignore_eos": True}) as r:
+        lines = r.iter_lines()
+        assert "chatcmpl" in next(line for line in lines if line.startswith("data:"))
+        kill()
+        t = time.monotonic()
+        rest = [line for line in lines if line.startswith("data:")]
+    return rest, time.monotonic() - t
+
+
+def _kill_tree(forkserver: psutil.Process) -> None:
+    """SIGKILL the forkserver and its engines at once, as an OOM kill of the process tree would."""
+    for p in [*forkserver.children(recursive=True), forkserver]:
+        p.kill()
+
+
+def test_killed_process_tree_fails_streams_and_is_replaced(default_model_dir):
+    s = Server("--max-model-len", "512")
+    try:
+        forkserver = [p for p in psutil.Process(s.proc.pid).children() if "forkserver" in " ".join(p.cmdline())][0]
+        rest, took = _stream_then(s, lambda: _kill_tree(forkserver))
+        assert took < 2.0, took
+        assert any('"engine_dead"' in line for line in rest), rest[-3:]
+        assert rest[-1] == "data: [DONE]"
+        saw_503 = recovered = False
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            r = httpx.get(s.url + "/health")
+            saw_503 |= r.status_code == 503
+            if r.status_code == 200 and saw_503:
+                recovered = True
+                break
+            time.sleep(0.05)
+        assert saw_503 and recovered
+        ok = httpx.post(s.url + "/v1/chat/completions", json=QUESTION, timeout=60)
+        assert ok.status_code == 200 and "Paris" in ok.json()["choices"][0]["message"]["content"]
+        fresh = [p for p in psutil.Process(s.proc.pid).children() if "forkserver" in " ".join(p.cmdline())]
+        assert len(fresh) == 1 and fresh[0].pid != forkserver.pid
+    finally:
+        s.stop()
+    assert "Traceback" not in s.output, s.output
+
+
+def test_killed_process_tree_without_restart_exits_with_one_error_line(default_model_dir):
+    s = Server("--max-model-len", "512", "--no-restart")
+    forkserver = [p for p in psutil.Process(s.proc.pid).children() if "forkserver" in " ".join(p.cmdline())][0]
+    rest, took = _stream_then(s, lambda: _kill_tree(forkserver))
+    assert took < 2.0 and any('"engine_dead"' in line for line in rest), (took, rest[-3:])
+    t = time.monotonic()
+    assert s.proc.wait(10) != 0
+    assert time.monotonic() - t < 5
+    time.sleep(0.2)  # the pump thread reads the last lines
+    errors = [line for line in s.lines if line.startswith("hotstart: error:")]
+    assert len(errors) == 1 and "forkserver exited" in errors[0], s.output
+    assert "Traceback" not in s.output, s.output

@@ -18,10 +18,10 @@ from hotstart.engine.sampler import sample
 from hotstart.engine.scheduler import Scheduler
 from hotstart.engine.sequence import Sequence
 from hotstart.errors import HotstartError
-from hotstart.messages import EngineRequest, EngineStats, TokenOutput
+from hotstart.messages import EngineRequest, EngineStats, Span, TokenOutput
 from hotstart.model.files import weight_files
 
-PhaseHook = Callable[[str, float, float, str], None]  # (name, start, end, detail), times from time.time()
+SpanHook = Callable[[Span], None]  # told of each startup phase as it ends
 
 CPU_KV_CACHE_CAP = 4 << 30
 
@@ -109,14 +109,14 @@ class EngineCore:
         self.default_generator = torch.Generator().manual_seed(cfg.seed)
 
     @classmethod
-    def build(cls, cfg: EngineConfig, on_phase: PhaseHook | None = None,
+    def build(cls, cfg: EngineConfig, on_span: SpanHook | None = None,
               on_progress: Callable[[int], None] | None = None) -> EngineCore:
-        """Load config, weights and KV cache; report each phase through on_phase."""
+        """Load config, weights and KV cache; report each phase through on_span."""
         from hotstart.model.loader import load_model  # noqa: PLC0415
 
         def phase(name: str, start: float, detail: str = "") -> None:
-            if on_phase is not None:
-                on_phase(name, start, time.time(), detail)
+            if on_span is not None:
+                on_span(Span(name, start, time.time(), "engine", detail))
 
         t = time.time()
         model_cfg = load_model_config(cfg.model_path)

@@ -1,7 +1,8 @@
 """The engine process: build the EngineCore, then serve requests over zmq until told to stop.
 
-It runs forked from the warm forkserver (hotstart.engine.forkserver) or spawned directly
+It runs forked from the warm forkserver (hotstart.forkserver.server) or spawned directly
 (`python -m hotstart.engine.worker CONFIG_JSON IN_ADDR OUT_ADDR`) when pre-spawn is off.
+A message it cannot decode is logged and, when it names a request, answered with an error for it.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from hotstart.config import EngineConfig
 from hotstart.engine.core import EngineCore
 from hotstart.errors import HotstartError
 from hotstart.messages import (
-    AbortRequest, EngineFailed, EngineReady, EngineRequest, Phase, Shutdown, StepOutputs,
+    AbortRequest, EngineAddresses, EngineFailed, EngineReady, EngineRequest, Shutdown, StepOutputs, TokenOutput,
     encoder, to_engine_decoder,
 )
+from hotstart.model.cursor import LoadCursor
 
 IDLE_POLL_MS = 200
 
@@ -33,28 +35,39 @@ def _fatal_message(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def run_engine(cfg: EngineConfig, in_addr: str, out_addr: str) -> int:
+def _undecodable(raw: bytes, err: Exception) -> TokenOutput | None:
+    """Log a message that does not decode; an error output for its request if it names one."""
+    try:
+        loose = msgspec.msgpack.decode(raw)
+    except msgspec.DecodeError:
+        loose = None
+    rid = loose.get("request_id") if isinstance(loose, dict) else None
+    print(f"hotstart: engine: malformed message ({err}){f' for request {rid}' if rid else ''}",
+          file=sys.stderr, flush=True)
+    if isinstance(rid, str):
+        return TokenOutput(rid, [], "error", f"the engine could not decode this request: {err}")
+    return None
+
+
+def run_engine(cfg: EngineConfig, addresses: EngineAddresses, rank: int = 0, world_size: int = 1) -> int:
+    if world_size != 1 or rank != 0:
+        raise ValueError(f"rank {rank} of {world_size}: this engine runs one rank")
     ctx = zmq.Context(io_threads=1)
     pull = ctx.socket(zmq.PULL)
-    pull.connect(in_addr)
+    pull.connect(addresses.requests)
     push = ctx.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 2000)
-    push.connect(out_addr)
+    push.connect(addresses.outputs)
     send = lambda msg: push.send(encoder.encode(msg))  # noqa: E731
-
-    def on_phase(name: str, start: float, end: float, detail: str) -> None:
-        send(Phase(name, start, end, "engine", detail))
 
     cursor = None
     try:
         if cfg.cursor_path:
-            from hotstart.model.cursor import LoadCursor  # noqa: PLC0415 - tiny, torch-free
-
             try:
                 cursor = LoadCursor.open(cfg.cursor_path)
             except (OSError, ValueError):
                 cursor = None  # best effort: the prefetcher then runs uncoordinated
-        core = EngineCore.build(cfg, on_phase, cursor.advance if cursor else None)
+        core = EngineCore.build(cfg, send, cursor.advance if cursor else None)
     except BaseException as e:  # noqa: BLE001 - any startup failure is reported, then the process exits
         send(EngineFailed(_fatal_message(e)))
         push.close(linger=2000)
@@ -79,7 +92,9 @@ def run_engine(cfg: EngineConfig, in_addr: str, out_addr: str) -> int:
                     break
                 try:
                     msg = to_engine_decoder.decode(raw)
-                except msgspec.DecodeError:
+                except msgspec.DecodeError as e:
+                    if (err := _undecodable(raw, e)) is not None:
+                        send(StepOutputs([err], core.stats()))
                     continue
                 if isinstance(msg, EngineRequest):
                     err = core.add_request(msg)
@@ -103,7 +118,7 @@ def run_engine(cfg: EngineConfig, in_addr: str, out_addr: str) -> int:
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process orchestrates shutdown
     cfg = msgspec.json.decode(sys.argv[1], type=EngineConfig)
-    code = run_engine(cfg, sys.argv[2], sys.argv[3])
+    code = run_engine(cfg, EngineAddresses(sys.argv[2], sys.argv[3]))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # skip torch's slow interpreter teardown

@@ -2,8 +2,10 @@
 
 Each server instance uses its own private socket folder (no fixed ports or names). The engine may
 be forked before the event loop runs; its messages wait in zmq until the client binds. When the
-engine process dies, every in-flight request fails at once, /health turns 503, and a new engine is
-forked from the warm forkserver (new socket names, so nothing stale reaches it).
+engine dies, every in-flight request fails at once, /health turns 503, and a new engine is forked
+from the warm forkserver (new socket names, so nothing stale reaches it). When the forkserver itself
+dies (an OOM kill of the process tree), a fresh forkserver is started and the engine with it; the
+socket stays bound and clients see 503 until it is ready. Deaths in a tight loop end the server.
 """
 
 from __future__ import annotations
@@ -13,18 +15,23 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
+import msgspec
 import zmq
 import zmq.asyncio
 
-from hotstart.boot.prespawn import EngineLauncher
 from hotstart.boot.timeline import Timeline
 from hotstart.config import EngineConfig
+from hotstart.forkserver.client import EngineLauncher
 from hotstart.messages import (
-    AbortRequest, EngineFailed, EngineReady, EngineRequest, EngineStats, Phase, SamplingParams,
-    Shutdown, StepOutputs, TokenOutput, encoder, from_engine_decoder,
+    AbortRequest, EngineExited, EngineFailed, EngineReady, EngineRequest, EngineSpawned, EngineStats,
+    ForkserverExited, SamplingParams, ServerInfo, Shutdown, Span, StepOutputs, TokenOutput, encoder,
+    from_engine_decoder,
 )
 
 log = logging.getLogger("hotstart")
+DIRECT_POLL_S = 0.1  # exit check of a directly spawned engine (no forkserver socket to watch)
+RESTART_WINDOW_S = 60.0
+MAX_RESTARTS_IN_WINDOW = 5  # more deaths than this within the window: give up (a crash loop)
 
 
 class EngineDeadError(Exception):
@@ -36,20 +43,24 @@ class EngineClient:
                  auto_restart: bool = True):
         self.launcher, self.cfg, self.timeline = launcher, cfg, timeline
         self.auto_restart = auto_restart
-        self.phase = "starting"
+        self.status = "starting"  # "starting", an engine startup phase, "ready", "restarting", "failed: ..."
         self.ready = False
         self.info: EngineReady | None = None
+        self.server_info: ServerInfo | None = None
         self.stats = EngineStats()
         self.fatal: str | None = None
         self.restarts = 0
-        self.recovery_seconds: list[float] = []  # engine death -> replacement ready, per restart
-        self._died_at: float | None = None
+        self.recovery_seconds: list[float] = []  # death -> replacement ready, per restart
         self.on_fatal: Callable[[str], None] | None = None
         self.on_ready: Callable[[], None] | None = None
+        self._died_at: float | None = None
+        self._deaths: list[float] = []
         self._queues: dict[str, asyncio.Queue] = {}
         self._ctx: zmq.asyncio.Context | None = None
         self._push = self._pull = None
         self._reader_task: asyncio.Task | None = None
+        self._watch_task: asyncio.Task | None = None
+        self._reader_fd: int | None = None
         self._closing = False
 
     # --- lifecycle --------------------------------------------------------------------------
@@ -61,74 +72,90 @@ class EngineClient:
         """Bind the sockets and start listening (inside the event loop)."""
         self._ctx = zmq.asyncio.Context()
         self._bind()
-        fd = self.launcher.fileno()
-        if fd is not None:
-            asyncio.get_running_loop().add_reader(fd, self._on_launcher_event)
-        else:
-            self._watch_task = asyncio.ensure_future(self._watch_direct())
+        self._watch_launcher()
         self._on_launcher_event()
 
+    def _watch_launcher(self) -> None:
+        fd = self.launcher.fileno()
+        if fd is not None:
+            self._reader_fd = fd
+            asyncio.get_running_loop().add_reader(fd, self._on_launcher_event)
+        elif self._watch_task is None:
+            self._watch_task = asyncio.ensure_future(self._watch_direct())
+
+    def _unwatch_launcher(self) -> None:
+        if self._reader_fd is not None:
+            asyncio.get_running_loop().remove_reader(self._reader_fd)  # tolerates an fd closed already
+            self._reader_fd = None
+
     def _bind(self) -> None:
-        in_addr, out_addr = self.launcher.addresses()
+        addresses = self.launcher.addresses()
         self._push = self._ctx.socket(zmq.PUSH)
         self._push.setsockopt(zmq.LINGER, 0)
-        self._push.bind(in_addr)
+        self._push.bind(addresses.requests)
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
-        self._pull.bind(out_addr)
+        self._pull.bind(addresses.outputs)
         self._reader_task = asyncio.ensure_future(self._read_outputs(self._pull))
 
     async def _watch_direct(self) -> None:
         while not self._closing:
             self._on_launcher_event()
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(DIRECT_POLL_S)
 
     def _on_launcher_event(self) -> None:
         for ev in self.launcher.poll_events():
-            kind = ev.get("event")
-            if kind == "preloaded":
-                self.timeline.add("forkserver up (torch + engine imported)", ev["start"], ev["end"], "forkserver")
-            elif kind == "spawned":
-                self.timeline.add("engine forked", ev["start"], ev["time"], "forkserver", f"pid {ev['pid']}")
-            elif kind in ("exited", "server-exited") and not self._closing:
-                if kind == "server-exited" or ev.get("pid") == self.launcher.engine_pid or self.launcher.engine_pid is None:
-                    self._engine_died(ev)
+            if isinstance(ev, ServerInfo):
+                if self.server_info is None:  # a replacement forkserver is not part of startup
+                    self.timeline.record(ev.preload)
+                self.server_info = ev
+            elif isinstance(ev, EngineSpawned):
+                if self._died_at is None:
+                    self.timeline.record(ev.fork)
+            elif self._closing:
+                continue
+            elif isinstance(ev, EngineExited) and ev.rank == 0:
+                self._engine_died(f"engine process exited (code {ev.code})", forkserver_dead=False)
+            elif isinstance(ev, ForkserverExited):
+                code = "" if ev.code is None else f" (code {ev.code})"
+                self._engine_died(f"forkserver exited{code}", forkserver_dead=True)
 
-    def _engine_died(self, ev: dict) -> None:
+    def _engine_died(self, what: str, forkserver_dead: bool) -> None:
         if self.fatal:
             return
-        was_ready = self.ready
-        self.ready = False
-        code = ev.get("code")
-        what = f"engine process exited (code {code})" if kind_is_exit(ev) else "forkserver exited"
+        was_ready, self.ready = self.ready, False
         log.error("hotstart: %s", what)
-        for q in self._queues.values():
-            q.put_nowait(EngineDeadError(what))
-        self._queues.clear()
-        can_restart = self.auto_restart and was_ready and self.launcher.use_forkserver and ev.get("event") == "exited"
-        if can_restart:
-            self._died_at = time.time()
-            self.restarts += 1
-            self.phase = "restarting"
-            self._rebind_and_respawn()
-        else:
-            self._fail(what if not self.fatal else self.fatal)
-
-    def _rebind_and_respawn(self) -> None:
+        self._fail_requests(what)
+        now = time.time()
+        self._deaths = [t for t in self._deaths if now - t < RESTART_WINDOW_S] + [now]
+        if not (self.auto_restart and (was_ready or self._died_at is not None)):
+            return self._fail(what)  # died during startup: a replacement would only die the same way
+        if len(self._deaths) > MAX_RESTARTS_IN_WINDOW:
+            return self._fail(f"{what}; {len(self._deaths)} engine deaths within {RESTART_WINDOW_S:.0f} s, giving up")
+        self._died_at = self._died_at or now
+        self.restarts += 1
+        self.status = "restarting"
         for s in (self._push, self._pull):
             s.close(linger=0)
         if self._reader_task is not None:
             self._reader_task.cancel()
+        if forkserver_dead and self.launcher.use_forkserver:
+            self._unwatch_launcher()
+            self.launcher.restart_server()
+            self._watch_launcher()
         self.spawn(new_generation=True)
         self._bind()
 
-    def _fail(self, message: str) -> None:
-        self.fatal = message
-        self.phase = f"failed: {message}"
-        self.ready = False
+    def _fail_requests(self, message: str) -> None:
         for q in self._queues.values():
             q.put_nowait(EngineDeadError(message))
         self._queues.clear()
+
+    def _fail(self, message: str) -> None:
+        self.fatal = message
+        self.status = f"failed: {message}"
+        self.ready = False
+        self._fail_requests(message)
         if self.on_fatal is not None:
             self.on_fatal(message)
 
@@ -138,32 +165,39 @@ class EngineClient:
                 raw = await sock.recv()
             except (asyncio.CancelledError, zmq.ZMQError):
                 return
-            msg = from_engine_decoder.decode(raw)
-            if isinstance(msg, StepOutputs):
-                self.stats = msg.stats
-                for out in msg.outputs:
-                    q = self._queues.get(out.request_id)
-                    if q is not None:
-                        q.put_nowait(out)
-            elif isinstance(msg, Phase):
-                if self._died_at is None:  # a replacement engine's phases are not part of startup
-                    self.timeline.add(msg.name, msg.start, msg.end, msg.process, msg.detail)
-                self.phase = msg.name
-            elif isinstance(msg, EngineReady):
-                self.info = msg
-                self.ready = True
-                self.phase = "ready"
-                if self._died_at is not None:
-                    took = time.time() - self._died_at
-                    self.recovery_seconds.append(took)
-                    self._died_at = None
-                    log.info("hotstart: engine replaced in %.2f s (forked from the warm forkserver)", took)
-                    continue
-                self.timeline.mark("engine ready", "engine")
-                if self.on_ready is not None:
-                    self.on_ready()
-            elif isinstance(msg, EngineFailed):
-                self._fail(msg.message)
+            try:
+                self._dispatch(from_engine_decoder.decode(raw))
+            except msgspec.DecodeError as e:  # a broken engine: replace it rather than guess
+                log.error("hotstart: undecodable message from the engine (%s); replacing the engine", e)
+                self.launcher.kill_engine()
+                return
+            except Exception as e:  # noqa: BLE001 - one bad message must not stop every stream
+                log.error("hotstart: error handling an engine message: %s: %s", type(e).__name__, e)
+
+    def _dispatch(self, msg) -> None:
+        if isinstance(msg, StepOutputs):
+            self.stats = msg.stats
+            for out in msg.outputs:
+                q = self._queues.get(out.request_id)
+                if q is not None:
+                    q.put_nowait(out)
+        elif isinstance(msg, Span):
+            if self._died_at is None:  # a replacement engine's phases are not part of startup
+                self.timeline.record(msg)
+            self.status = msg.name
+        elif isinstance(msg, EngineReady):
+            self.info, self.ready, self.status = msg, True, "ready"
+            if self._died_at is not None:
+                took = time.time() - self._died_at
+                self.recovery_seconds.append(took)
+                self._died_at = None
+                log.info("hotstart: engine replaced in %.2f s", took)
+                return
+            self.timeline.mark("engine ready", "engine")
+            if self.on_ready is not None:
+                self.on_ready()
+        elif isinstance(msg, EngineFailed):
+            self._fail(msg.message)
 
     def begin_shutdown(self) -> None:
         """The server is stopping: engine or forkserver exits from now on are expected, not failures."""
@@ -172,12 +206,7 @@ class EngineClient:
     async def close(self, timeout: float = 3.0) -> None:
         """Stop the engine (Shutdown message, then the launcher's bounded stop) and free sockets."""
         self._closing = True
-        fd = self.launcher.fileno()
-        if fd is not None:
-            try:
-                asyncio.get_running_loop().remove_reader(fd)
-            except (ValueError, OSError):
-                pass
+        self._unwatch_launcher()
         for rid, q in list(self._queues.items()):
             q.put_nowait(TokenOutput(rid, [], "abort"))
         if self._push is not None:
@@ -185,8 +214,9 @@ class EngineClient:
                 await asyncio.wait_for(self._push.send(encoder.encode(Shutdown())), 0.2)
             except (asyncio.TimeoutError, zmq.ZMQError):
                 pass
-        if self._reader_task is not None:
-            self._reader_task.cancel()
+        for task in (self._reader_task, self._watch_task):
+            if task is not None:
+                task.cancel()
         await asyncio.get_running_loop().run_in_executor(None, self.launcher.shutdown, timeout)
         for s in (self._push, self._pull):
             if s is not None:
@@ -200,7 +230,7 @@ class EngineClient:
         """Yield TokenOutputs (token deltas) until one carries finish_reason. Closing the iterator
         early aborts the request in the engine (its KV blocks are freed)."""
         if not self.ready:
-            raise EngineDeadError(self.fatal or f"engine not ready ({self.phase})")
+            raise EngineDeadError(self.fatal or f"engine not ready ({self.status})")
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
         finished = False
@@ -211,8 +241,7 @@ class EngineClient:
                 if isinstance(out, Exception):
                     finished = True
                     raise out
-                if out.finish_reason is not None:
-                    finished = True
+                finished = out.finish_reason is not None
                 yield out
                 if finished:
                     return
@@ -228,8 +257,3 @@ class EngineClient:
                 await self._push.send(encoder.encode(AbortRequest([request_id])))
             except zmq.ZMQError:
                 pass
-
-
-def kind_is_exit(ev: dict) -> bool:
-    return ev.get("event") == "exited"
-

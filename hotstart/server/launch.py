@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import logging
 import signal
 import socket
 import sys
 import time
 
-from hotstart.boot.prespawn import EngineLauncher, serial_baseline
 from hotstart.boot.timeline import Timeline
-from hotstart.config import EngineConfig
+from hotstart.config import EngineConfig, ServeConfig
+from hotstart.forkserver.client import EngineLauncher
 from hotstart.errors import HotstartError
 
 log = logging.getLogger("hotstart")
@@ -40,7 +41,7 @@ def _bind(host: str, port: int) -> socket.socket:
         raise HotstartError(f"port {port} is out of range (0 to 65535)") from None
     except OSError as e:
         sock.close()
-        if e.errno == 98:
+        if e.errno == errno.EADDRINUSE:
             raise HotstartError(f"port {port} on {host} is already in use (pick another with --port, or 0 for a free one)") from None
         raise HotstartError(f"cannot bind {host}:{port}: {e.strerror}") from None
     sock.listen(2048)
@@ -48,96 +49,90 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _start_prefetch(args: argparse.Namespace, model_path, files, cursor, timeline: Timeline):
+def _start_prefetch(cfg: ServeConfig, model_path, files, cursor, timeline: Timeline):
     """Start the sidecar and weight prefetchers (daemon threads, reads only); the weights one or None."""
     from hotstart.boot.prefetch import Prefetcher  # noqa: PLC0415
-    from hotstart.model.files import sidecar_files  # noqa: PLC0415
     from hotstart.boot.storage import PrefetchOverrides, plan_for  # noqa: PLC0415
+    from hotstart.model.files import sidecar_files  # noqa: PLC0415
 
-    with timeline.phase("prefetch started") as ev:
-        overrides = PrefetchOverrides(threads=args.prefetch_threads, block_mib=args.prefetch_block_mb)
+    with timeline.phase("prefetch started") as span:
+        overrides = PrefetchOverrides(threads=cfg.prefetch_threads, block_mib=cfg.prefetch_block_mb)
         try:
             plan = plan_for(files, overrides)
         except ValueError as e:
             raise HotstartError(str(e)) from None
         sidecars = sidecar_files(model_path)
         Prefetcher(sidecars, plan_for(sidecars, overrides)).start()
-        ev.detail = plan.reason if plan.enabled else f"off: {plan.reason}"
+        span.detail = plan.reason if plan.enabled else f"off: {plan.reason}"
         prefetcher = Prefetcher(files, plan, cursor).start() if plan.enabled else None
     return prefetcher
 
 
-def run_serve(args: argparse.Namespace, t0: float, launcher: EngineLauncher) -> int:
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(message)s", stream=sys.stderr)
+def run_serve(args: argparse.Namespace, cfg: ServeConfig, t0: float, launcher: EngineLauncher) -> int:
+    """ARGS: the parsed command line (model, --revision, engine flags); CFG: the serve flags."""
+    logging.basicConfig(level=getattr(logging, cfg.log_level.upper()), format="%(message)s", stream=sys.stderr)
     timeline = Timeline(t0)
-    timeline.on_event = lambda ev: log.info(timeline.log_line(ev))  # one log line per phase
-    serial = serial_baseline()
-    prespawn = launcher.use_forkserver
+    timeline.on_event = lambda span: log.info(timeline.log_line(span))  # one log line per phase
     if launcher.started_at is not None:
         timeline.add("forkserver launched", t0, launcher.started_at)
     prefetcher = cursor = None
-    client = None
     try:
         from hotstart.boot.resolve import resolve_model  # noqa: PLC0415
-    from hotstart.model.files import weight_files  # noqa: PLC0415
+        from hotstart.model.files import weight_files  # noqa: PLC0415
 
-        with timeline.phase("model resolved") as ev:
+        with timeline.phase("model resolved") as span:
             model = resolve_model(args.model, args.revision)
             files = weight_files(model.path)
-            ev.detail = f"{model.source}: {model.path}"
-        use_prefetch = args.prefetch and not serial
-        if use_prefetch:
+            span.detail = f"{model.source}: {model.path}"
+        if cfg.prefetch:
             from hotstart.model.cursor import LoadCursor  # noqa: PLC0415
 
             cursor = LoadCursor.create()
-        engine_cfg = EngineConfig(
-            model_path=str(model.path), weight_files=tuple(str(f) for f in files), device=args.device,
-            dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            cursor_path=cursor.path if cursor is not None else None, t0=t0,
-        )
-        if prespawn:
+        engine_cfg = EngineConfig.from_args(args, model_path=str(model.path), weight_files=tuple(map(str, files)),
+                                            cursor_path=cursor.path if cursor is not None else None, t0=t0)
+        if launcher.use_forkserver:
             with timeline.phase("engine config sent"):
                 launcher.spawn(engine_cfg)  # the forkserver forks the engine once its preload is done
-        if use_prefetch:
-            prefetcher = _start_prefetch(args, model.path, files, cursor, timeline)
+        if cfg.prefetch:
+            prefetcher = _start_prefetch(cfg, model.path, files, cursor, timeline)
         from hotstart.server.engine_client import EngineClient  # noqa: PLC0415
 
-        client = EngineClient(launcher, engine_cfg, timeline, auto_restart=args.restart)
+        client = EngineClient(launcher, engine_cfg, timeline, auto_restart=cfg.restart)
         with timeline.phase("web stack imported"):
             from hotstart.server.api import ApiSettings, build_app  # noqa: PLC0415
             from hotstart.text.tokenizer import Tokenizer  # noqa: PLC0415
         with timeline.phase("tokenizer loaded"):
             tokenizer = Tokenizer.from_dir(model.path)
-        names = args.served_model_name or [model.name]
-        settings = ApiSettings(served_model_names=names, api_key=args.api_key,
-                               max_request_bytes=args.max_request_bytes)
+        names = list(cfg.served_model_name or [model.name])
+        settings = ApiSettings(served_model_names=names, api_key=cfg.api_key,
+                               max_request_bytes=cfg.max_request_bytes)
         app = build_app(client, tokenizer, settings)
         if prefetcher is not None:
             app.state.prefetch_stats = prefetcher.stats
         with timeline.phase("socket bound"):
-            sock = _bind(args.host, args.port)
+            sock = _bind(cfg.host, cfg.port)
         host, port = sock.getsockname()[:2]
-        if args.host in ("0.0.0.0", "::") and not args.api_key:
+        if cfg.host in ("0.0.0.0", "::") and not cfg.api_key:
             log.warning("hotstart: WARNING: listening on all interfaces without --api-key")
         print(f"hotstart: serving {names[0]} on http://{host}:{port} (health: /health)", file=sys.stderr, flush=True)
-        if not prespawn:
-            with timeline.phase("engine spawned"):
-                client.spawn()
+        if not launcher.use_forkserver:
+            client.spawn()  # the serial way: a fresh interpreter, once the API is otherwise ready
         import asyncio  # noqa: PLC0415
 
-        return asyncio.run(_serve(app, sock, client, args, prefetcher))
+        return asyncio.run(_serve(app, sock, client, prefetcher))
     finally:
         launcher.shutdown()  # no-op after a clean serve; bounded otherwise
-        if args.startup_trace:
-            with contextlib.suppress(OSError):
-                timeline.write_chrome_trace(args.startup_trace)
+        if cfg.startup_trace:
+            try:
+                timeline.write_chrome_trace(cfg.startup_trace)
+            except OSError as e:
+                log.warning("hotstart: WARNING: could not write --startup-trace %s: %s", cfg.startup_trace,
+                            e.strerror or e)
         if cursor is not None:
             cursor.close()  # the owner's close removes its folder
 
 
-async def _serve(app, sock: socket.socket, client, args: argparse.Namespace, prefetcher) -> int:
+async def _serve(app, sock: socket.socket, client, prefetcher) -> int:
     import uvicorn  # noqa: PLC0415
 
     class Server(uvicorn.Server):

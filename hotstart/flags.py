@@ -1,0 +1,103 @@
+"""Command-line flags derived from config dataclass fields, so names, defaults and help live once.
+
+A field declared with `option(default, help, ...)` becomes `--field-name` (or the flag given);
+`add_options(parser, Cls)` adds them, `values(Cls, args)` reads them back. Argparse value types used
+by the options live here too. Stdlib only: `hotstart --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from typing import Any
+
+
+def int_in(low: int, high: int | None = None):
+    """An argparse type: an integer in [LOW, HIGH]."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bounds = f"from {low} to {high}" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"expected an integer {bounds}, got {value}")
+        return value
+    parse.metavar = "N"
+    return parse
+
+
+non_negative = int_in(0)  # 0 allowed: --port 0, --max-tokens 0 ...
+at_least_one = int_in(1)
+port = int_in(0, 65535)
+
+
+def fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text}")
+    return value
+
+
+fraction.metavar = "F"
+
+
+def name(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a non-empty name")
+    return text
+
+
+name.metavar = "NAME"
+
+
+def option(default: Any, help: str, *, flag: str | None = None, short: str | None = None,  # noqa: A002
+           type: Any = None, choices: Any = None, action: str | None = None, env: str | None = None,  # noqa: A002
+           metavar: str | None = None) -> Any:
+    """A dataclass field that is also a command-line flag. ACTION "store_false" makes FLAG (e.g.
+    --no-prefetch) switch a True default off; ENV names an environment variable for the default."""
+    meta = {"help": help, "flag": flag, "short": short, "type": type, "choices": choices, "action": action,
+            "env": env, "metavar": metavar}
+    return dataclasses.field(default=default, metadata={"option": meta})
+
+
+def _options(cls) -> list[tuple[dataclasses.Field, dict]]:
+    return [(f, f.metadata["option"]) for f in dataclasses.fields(cls) if "option" in f.metadata]
+
+
+def add_options(parser: argparse.ArgumentParser | Any, cls, exclude: tuple[str, ...] = ()) -> None:
+    """Add a flag for every option field of CLS (but those in EXCLUDE)."""
+    for f, o in _options(cls):
+        if f.name in exclude:
+            continue
+        flags = [o["flag"] or "--" + f.name.replace("_", "-")] + ([o["short"]] if o["short"] else [])
+        default = f.default
+        if o["env"] and os.environ.get(o["env"]):
+            default = os.environ[o["env"]]
+        kwargs: dict[str, Any] = {"dest": f.name, "help": o["help"]}
+        if o["action"] == "store_false":
+            kwargs.update(action="store_false")
+        elif o["action"] == "append":
+            kwargs.update(action="append", type=o["type"], default=None)
+        else:
+            metavar = o["metavar"] or (getattr(o["type"], "metavar", None) if not o["choices"] else None)
+            kwargs.update(default=default, type=o["type"], choices=o["choices"], metavar=metavar)
+            if default is not None and not o["env"]:  # an env default may be a secret: never print it
+                kwargs["help"] = f"{o['help']} (default: {default})"
+        parser.add_argument(*flags, **kwargs)
+
+
+def values(cls, args: argparse.Namespace, exclude: tuple[str, ...] = (), **overrides: Any) -> dict[str, Any]:
+    """{field: value} for the option fields of CLS present in ARGS (but EXCLUDE: names that ARGS uses
+    for something else), then OVERRIDES; appended lists become tuples (configs are frozen)."""
+    out: dict[str, Any] = {}
+    for f, _ in _options(cls):
+        if hasattr(args, f.name) and f.name not in exclude:
+            v = getattr(args, f.name)
+            out[f.name] = tuple(v) if isinstance(v, list) else v
+    out.update(overrides)
+    return out

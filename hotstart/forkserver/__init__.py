@@ -1,0 +1,8 @@
+"""The warm forkserver: both ends of it.
+
+server.py runs in its own process (`python -m hotstart.forkserver FD`), started by the API process at
+t=0: it imports torch and the engine once, then forks engine processes (one per tensor-parallel rank)
+on request, and reports their pids and exits. client.py is the API process's side (torch-free): it
+starts the server, sends it typed messages (hotstart.messages, framed by hotstart.framing) and turns
+what comes back into typed events. See docs/design.md.
+"""

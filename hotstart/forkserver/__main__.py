@@ -1,0 +1,3 @@
+from hotstart.forkserver.server import main
+
+main()

@@ -1,0 +1,199 @@
+"""The API process's side of the forkserver (torch-free): start engines as early as possible.
+
+With pre-spawn (the default) the API process starts the warm forkserver at t=0; it imports torch and
+the engine while the API process resolves the model, prefetches weights and imports its web stack,
+then forks the engine the moment it has both the preload done and the engine config. Without it
+(--no-prespawn, or where os.fork is missing) the engine is spawned directly as a fresh interpreter.
+Either way the caller sees the same typed events (hotstart.messages): ServerInfo, EngineSpawned,
+EngineExited, ForkserverExited. A crashed engine is replaced by a fork from the still-warm server in
+milliseconds; a dead forkserver is replaced by a fresh one (restart_server).
+
+Only stdlib modules are imported at module level: the forkserver's launch is the t=0 step of every
+start, and nothing may come before it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import TYPE_CHECKING
+
+from hotstart.procs import terminate_then_kill
+
+if TYPE_CHECKING:
+    from hotstart.config import EngineConfig
+    from hotstart.messages import EngineAddresses
+
+STOP_GRACE_S = 3.0
+
+
+class EngineLauncher:
+    """Owns the forkserver (or the directly spawned engine) and reports process events."""
+
+    def __init__(self, use_forkserver: bool = True):
+        self.use_forkserver = use_forkserver and hasattr(os, "fork")
+        # Private folder for the engine's zmq ipc sockets: unique per server, so two run side by side.
+        self.ipc_dir = tempfile.mkdtemp(prefix="hotstart-ipc-")
+        self.generation = 0  # bumped per engine: a replacement never sees its predecessor's sockets
+        self.server: subprocess.Popen | None = None
+        self.direct: subprocess.Popen | None = None
+        self.engine_pids: dict[int, int] = {}  # rank -> pid of the current generation
+        self.server_restarts = 0
+        self.started_at: float | None = None
+        self._sock: socket.socket | None = None
+        self._reader = None
+        self._pending: list = []  # events made here (direct spawn), handed out by poll_events
+
+    @property
+    def engine_pid(self) -> int | None:
+        """Rank 0's pid (the process the API talks to)."""
+        return self.engine_pids.get(0)
+
+    def start(self) -> None:
+        """Start the forkserver (no-op without pre-spawn)."""
+        if not self.use_forkserver:
+            return
+        ours, theirs = socket.socketpair()
+        self.started_at = time.time()
+        self.server = subprocess.Popen(
+            [sys.executable, "-m", "hotstart.forkserver", str(theirs.fileno())],
+            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+        )
+        theirs.close()
+        ours.setblocking(False)
+        self._sock, self._reader = ours, None
+
+    def restart_server(self) -> None:
+        """Replace a dead forkserver with a fresh one (it imports torch again: seconds, not ms)."""
+        self._close_server(grace=0.5)
+        self.server_restarts += 1
+        self.start()
+
+    def addresses(self) -> EngineAddresses:
+        """zmq addresses of the current engine generation."""
+        from hotstart.messages import EngineAddresses  # noqa: PLC0415 - not needed for the t=0 step
+
+        g = self.generation
+        return EngineAddresses(f"ipc://{self.ipc_dir}/in-{g}", f"ipc://{self.ipc_dir}/out-{g}")
+
+    def spawn(self, cfg: EngineConfig, new_generation: bool = False, world_size: int = 1) -> None:
+        """Ask for an engine. With the forkserver this returns at once (it forks when its preload is done)."""
+        import msgspec  # noqa: PLC0415
+
+        from hotstart.messages import EngineSpawned, SpawnEngine, Span  # noqa: PLC0415
+
+        if new_generation:
+            self.generation += 1
+        self.engine_pids = {}
+        addresses = self.addresses()
+        if self._sock is not None:
+            from hotstart.framing import send  # noqa: PLC0415
+
+            send(self._sock, SpawnEngine(self.generation, cfg, addresses, world_size))
+            return
+        start = time.time()
+        payload = msgspec.json.encode(cfg).decode()
+        self.direct = subprocess.Popen(
+            [sys.executable, "-m", "hotstart.engine.worker", payload, addresses.requests, addresses.outputs],
+            stdin=subprocess.DEVNULL,
+        )
+        self.engine_pids = {0: self.direct.pid}
+        span = Span("engine spawned", start, time.time(), "api", f"pid {self.direct.pid}")
+        self._pending.append(EngineSpawned(self.generation, 0, self.direct.pid, span))
+
+    def fileno(self) -> int | None:
+        """Readable when forkserver events arrive (for an event loop's add_reader)."""
+        return self._sock.fileno() if self._sock is not None else None
+
+    def poll_events(self) -> list:
+        """Non-blocking: the events that arrived since the last call, typed (see the module docstring).
+        Events of earlier engine generations are dropped here."""
+        from hotstart.framing import FrameError, FrameReader  # noqa: PLC0415
+        from hotstart.messages import EngineExited, EngineSpawned, ForkserverExited, FromForkserver  # noqa: PLC0415
+
+        events, self._pending = self._pending, []
+        if self._sock is not None:
+            if self._reader is None:
+                self._reader = FrameReader(FromForkserver)
+            while True:
+                try:
+                    chunk = self._sock.recv(1 << 16)
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError:
+                    chunk = b""
+                try:
+                    events += self._reader.feed(chunk) if chunk else []
+                except FrameError as e:
+                    print(f"hotstart: forkserver sent a bad frame ({e}); treating it as dead", file=sys.stderr)
+                    chunk = b""
+                if not chunk:
+                    events.append(ForkserverExited(self.server.poll() if self.server is not None else None))
+                    self._close_server(grace=0.5)
+                    break
+        if self.direct is not None and self.direct.poll() is not None:
+            events.append(EngineExited(self.generation, 0, self.direct.pid, self.direct.returncode))
+            self.direct = None
+        current = []
+        for ev in events:
+            if isinstance(ev, (EngineSpawned, EngineExited)) and ev.generation != self.generation:
+                continue
+            if isinstance(ev, EngineSpawned):
+                self.engine_pids[ev.rank] = ev.pid
+            elif isinstance(ev, EngineExited):
+                self.engine_pids.pop(ev.rank, None)
+            current.append(ev)
+        return current
+
+    def kill_engine(self) -> None:
+        """SIGKILL every rank of the current engine (its exit events follow as usual)."""
+        for pid in self.engine_pids.values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def stop_server(self) -> None:
+        """Ask the forkserver to stop (it terminates its engines); shutdown() waits for it."""
+        if self._sock is not None:
+            from hotstart.framing import send  # noqa: PLC0415
+            from hotstart.messages import StopServer  # noqa: PLC0415
+
+            try:
+                send(self._sock, StopServer())
+            except OSError:
+                pass
+
+    def _close_server(self, grace: float) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()  # EOF: the forkserver terminates its engines and exits
+            except OSError:
+                pass
+            self._sock, self._reader = None, None
+        if self.server is not None:
+            terminate_then_kill([self.server], grace)
+            self.server = None
+
+    def shutdown(self, timeout: float = STOP_GRACE_S) -> None:
+        """Stop the forkserver (it stops its engines) or the direct engine; SIGKILL past TIMEOUT.
+        Idempotent. A forkserver still importing torch dies at once (SIGTERM's default action)."""
+        self.stop_server()
+        procs = [p for p in (self.server, self.direct) if p is not None]
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+            self._sock = None
+        self.server = self.direct = None
+        if terminate_then_kill(procs, timeout):
+            self.kill_engine()  # the forkserver was SIGKILLed before it could stop its engines
+        self.engine_pids = {}
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)

@@ -1,0 +1,168 @@
+"""The forkserver process: import torch and the engine once, then fork engines on request.
+
+Protocol (hotstart.messages, framed by hotstart.framing), per connection:
+  server -> client  ServerInfo (first, once the preload is done), then EngineSpawned / EngineExited
+  client -> server  SpawnEngine (fork WORLD_SIZE ranks), StopEngine (terminate a generation), StopServer
+The server forks only from its single main thread, before any torch op ran, so the children are safe.
+The engines of a connection are terminated when it closes; the server exits with its last connection.
+It dies with the API process (PR_SET_PDEATHSIG), and so do the engines it forks.
+"""
+
+from __future__ import annotations
+
+import time
+
+T_START = time.time()
+
+import os  # noqa: E402
+import select  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import sys  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+from hotstart import __version__  # noqa: E402
+from hotstart.framing import FrameError, FrameReader, send  # noqa: E402
+from hotstart.messages import (  # noqa: E402
+    EngineExited, EngineSpawned, ServerInfo, SpawnEngine, Span, StopEngine, StopServer, ToForkserver,
+)
+from hotstart.procs import die_with_parent, terminate_then_kill  # noqa: E402
+
+KILL_GRACE_S = 2.0
+SELECT_S = 0.1  # also the reaping period while idle
+
+
+@dataclass
+class _Child:
+    conn: socket.socket
+    generation: int
+    rank: int
+
+
+class ForkServer:
+    """Serves connections (one socketpair from the API process; a zygote serves many)."""
+
+    def __init__(self, preload: Span, worker) -> None:
+        self.worker = worker  # hotstart.engine.worker, imported by the caller (the preload)
+        self.children: dict[int, _Child] = {}
+        self.readers: dict[socket.socket, FrameReader] = {}
+        torch_version = str(getattr(sys.modules.get("torch"), "__version__", ""))
+        self.info = ServerInfo(os.getpid(), preload, __version__, sys.executable, torch_version)
+        self.stopping = False
+
+    # ---- connections -------------------------------------------------------------------------
+    def add_connection(self, conn: socket.socket) -> bool:
+        conn.setblocking(True)
+        self.readers[conn] = FrameReader(ToForkserver)
+        return self._send(conn, self.info)
+
+    def _send(self, conn: socket.socket, msg) -> bool:
+        try:
+            send(conn, msg)
+            return True
+        except OSError:
+            self._drop(conn)
+            return False
+
+    def _drop(self, conn: socket.socket) -> None:
+        """The client went away: its engines go too."""
+        if self.readers.pop(conn, None) is None:
+            return
+        self._terminate([pid for pid, c in self.children.items() if c.conn is conn])
+        conn.close()
+
+    # ---- engines -----------------------------------------------------------------------------
+    def _spawn(self, conn: socket.socket, msg) -> None:
+        for rank in range(msg.world_size):
+            start = time.time()
+            pid = os.fork()
+            if pid == 0:
+                self._child(msg, rank)  # never returns
+            self.children[pid] = _Child(conn, msg.generation, rank)
+            fork = Span(f"engine forked (rank {rank})" if msg.world_size > 1 else "engine forked",
+                        start, time.time(), "forkserver", f"pid {pid}")
+            if not self._send(conn, EngineSpawned(msg.generation, rank, pid, fork)):
+                return
+
+    def _child(self, msg, rank: int) -> None:
+        code = 1
+        try:
+            for c in self.readers:  # the engine holds no connection of the server's
+                c.close()
+            die_with_parent(signal.SIGKILL)
+            for sig in (signal.SIGCHLD, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_DFL)
+            code = self.worker.run_engine(msg.config, msg.addresses, rank, msg.world_size)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+    def _terminate(self, pids: list[int]) -> None:
+        terminate_then_kill(pids, KILL_GRACE_S)
+        self._reap()
+
+    def _reap(self) -> None:
+        for pid in list(self.children):
+            try:
+                done, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:  # reaped by terminate_then_kill
+                done, status = pid, 0
+            if done:
+                child = self.children.pop(pid)
+                code = os.waitstatus_to_exitcode(status) if status else 0
+                if child.conn in self.readers:
+                    self._send(child.conn, EngineExited(child.generation, child.rank, pid, code))
+
+    def _on_message(self, conn: socket.socket, msg) -> None:
+        if isinstance(msg, SpawnEngine):
+            self._spawn(conn, msg)
+        elif isinstance(msg, StopEngine):
+            self._terminate([p for p, c in self.children.items() if c.conn is conn and c.generation == msg.generation])
+        elif isinstance(msg, StopServer):
+            self.stopping = True
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def run(self) -> None:
+        """Serve until stopped, signalled, or the last connection closes; then stop every engine."""
+        def on_term(signum, frame):  # noqa: ARG001
+            self.stopping = True
+
+        signal.signal(signal.SIGTERM, on_term)
+        try:
+            while not self.stopping and self.readers:
+                ready, _, _ = select.select(list(self.readers), [], [], SELECT_S)
+                self._reap()
+                for conn in ready:
+                    if conn not in self.readers:  # dropped while handling an earlier one
+                        continue
+                    try:
+                        chunk = conn.recv(1 << 16)
+                    except OSError:
+                        chunk = b""
+                    if not chunk:
+                        self._drop(conn)
+                        continue
+                    try:
+                        msgs = self.readers[conn].feed(chunk)
+                    except FrameError as e:
+                        print(f"hotstart: forkserver: dropping a client that sent a bad frame: {e}", file=sys.stderr)
+                        self._drop(conn)
+                        continue
+                    for msg in msgs:
+                        self._on_message(conn, msg)
+        finally:
+            self._terminate(list(self.children))
+
+
+def main() -> None:
+    # Before the heavy preload: if the API process dies while torch imports, so do we.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the API process, which stops us
+    die_with_parent(signal.SIGKILL)
+    conn = socket.socket(fileno=int(sys.argv[1]))
+    from hotstart.engine import worker  # noqa: PLC0415 - the preload: torch and the whole engine
+
+    server = ForkServer(Span("forkserver up (torch + engine imported)", T_START, time.time(), "forkserver"), worker)
+    if server.add_connection(conn):  # else: the API process went away while we imported torch
+        server.run()
+    os._exit(0)  # skip torch's slow interpreter teardown
