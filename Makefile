@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hotstart-installed
 
-.PHONY: setup serve test bench clean
+.PHONY: setup serve test bench clean peers
 
 setup: $(STAMP)
 
@@ -23,6 +23,11 @@ serve: setup
 
 test: setup
 	$(PY) -m pytest -q tests $(ARGS)
+
+# Peer servers (vLLM CPU, llama.cpp, transformers serve) in venvs outside the repo, for
+# `hotstart bench startup --peer`: see benchmarks/peers/README.md (ARGS="--smoke", "--check", "--only vllm").
+peers: setup
+	PYTHON=$(PYTHON) PROJECT_PY=$(abspath $(PY)) bash benchmarks/peers/setup.sh $(ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info
