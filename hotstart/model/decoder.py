@@ -3,7 +3,7 @@
 The families differ only in flags read from config.json (ModelConfig): attention bias (Qwen2),
 q/k RMSNorm and explicit head_dim (Qwen3), tied embeddings, rope scaling. Parameter names follow
 the Hugging Face checkpoints. With fused=True the q/k/v and gate/up projections are packed into one
-matmul each (PACKED_MODULES; worth it on GPUs, where weights are copied anyway); with fused=False
+matmul each (layers.PackedLinear; worth it on GPUs, where weights are copied anyway); with fused=False
 every parameter is a checkpoint tensor as-is, so on CPU it can be a zero-copy view of the file.
 """
 
@@ -14,13 +14,6 @@ from torch import nn
 
 from hotstart.config import ModelConfig
 from hotstart.model.layers import AttnMetadata, DecoderLayer, Embedding, Linear, RMSNorm, RotaryEmbedding
-
-# fused parameter -> the checkpoint projections it packs, in order along dim 0
-PACKED_MODULES = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-}
-
 
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int, fused: bool):
@@ -37,17 +30,6 @@ class CausalLM(nn.Module):
         self.cfg, self.fused = cfg, fused
         self.model = Backbone(cfg, max_positions or cfg.max_position_embeddings, fused)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-
-    def packed_shard(self, param: str, proj: str) -> tuple[int, int]:
-        """(start, size) along dim 0 of a fused parameter for one checkpoint projection."""
-        cfg = self.cfg
-        if proj in PACKED_MODULES["qkv_proj"]:
-            sizes = {"q_proj": (0, cfg.q_size), "k_proj": (cfg.q_size, cfg.kv_size),
-                     "v_proj": (cfg.q_size + cfg.kv_size, cfg.kv_size)}
-        else:
-            i = cfg.intermediate_size
-            sizes = {"gate_proj": (0, i), "up_proj": (i, i)}
-        return sizes[proj]
 
     def post_load(self, device: torch.device, dtype: torch.dtype) -> None:
         """Build non-persistent state (rotary table) once real weights are in place."""

@@ -40,6 +40,27 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class PackedLinear(Linear):
+    """Several checkpoint projections stacked along dim 0 into one matmul (q/k/v, gate/up).
+
+    `shards` is the layout, the one place it is written: checkpoint projection name (a sibling of
+    this module in the checkpoint, e.g. "q_proj") -> (first row, rows). The loader fills the rows of
+    each shard from that projection's tensors."""
+
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool):
+        super().__init__(in_features, sum(shards.values()), bias)
+        self.shards: dict[str, tuple[int, int]] = {}
+        row = 0
+        for name, rows in shards.items():
+            self.shards[name] = (row, rows)
+            row += rows
+        self.split_sizes = list(shards.values())
+
+    def forward_split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # x: [T, in] -> one [T, rows] tensor per shard, in layout order
+        return self(x).split(self.split_sizes, dim=-1)
+
+
 class Embedding(nn.Module):
     def __init__(self, num: int, dim: int):
         super().__init__()
@@ -117,7 +138,8 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.fused = fused
         if fused:
-            self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+            self.qkv_proj = PackedLinear(cfg.hidden_size, {"q_proj": self.q_size, "k_proj": self.kv_size,
+                                                           "v_proj": self.kv_size}, bias=cfg.attention_bias)
         else:
             self.q_proj = Linear(cfg.hidden_size, self.q_size, bias=cfg.attention_bias)
             self.k_proj = Linear(cfg.hidden_size, self.kv_size, bias=cfg.attention_bias)
@@ -135,7 +157,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         t = x.shape[0]
         if self.fused:
-            q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q, k, v = self.qkv_proj.forward_split(x)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -159,7 +181,8 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.intermediate, self.fused = cfg.intermediate_size, fused
         if fused:
-            self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+            self.gate_up_proj = PackedLinear(cfg.hidden_size, {"gate_proj": cfg.intermediate_size,
+                                                               "up_proj": cfg.intermediate_size}, bias=cfg.mlp_bias)
         else:
             self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
             self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
@@ -167,7 +190,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+            gate, up = self.gate_up_proj.forward_split(x)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)

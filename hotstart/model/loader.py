@@ -18,24 +18,27 @@ from torch import nn
 
 from hotstart.config import ModelConfig
 from hotstart.errors import WeightsError
-from hotstart.model.decoder import PACKED_MODULES, CausalLM
+from hotstart.model.decoder import CausalLM
+from hotstart.model.layers import PackedLinear
 from hotstart.model.safetensors_io import SafetensorsFile
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 FLOAT_DTYPES = {"F32", "F16", "BF16"}
 
 
-def _target(name: str, fused: bool) -> tuple[str, str | None]:
-    """Checkpoint tensor name -> (model parameter name, packed projection or None)."""
-    if not fused:
-        return name, None
-    parts = name.split(".")
-    for packed, projs in PACKED_MODULES.items():
-        for proj in projs:
-            if proj in parts:
-                parts[parts.index(proj)] = packed
-                return ".".join(parts), proj
-    return name, None
+def _checkpoint_names(model: nn.Module) -> dict[str, tuple[str, str | None]]:
+    """Checkpoint tensor name -> (model parameter name, shard of a PackedLinear or None), from the
+    modules themselves: a packed module's shards are its siblings in the checkpoint."""
+    out: dict[str, tuple[str, str | None]] = {}
+    for path, module in model.named_modules():
+        for leaf, _ in module.named_parameters(recurse=False):
+            param = f"{path}.{leaf}" if path else leaf
+            if isinstance(module, PackedLinear):
+                parent = path.rpartition(".")[0]
+                out.update({f"{parent}.{shard}.{leaf}": (param, shard) for shard in module.shards})
+            else:
+                out[param] = (param, None)
+    return out
 
 
 def _set_param(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
@@ -62,7 +65,8 @@ def load_model(
     with torch.device("meta"):
         model = CausalLM(cfg, max_positions, fused)
     expected = {n: p for n, p in model.named_parameters()}
-    filled: dict[str, set[str | None]] = {}  # parameter -> checkpoint projections loaded (None: unfused)
+    names = _checkpoint_names(model)
+    filled: dict[str, set[str | None]] = {}  # parameter -> shards loaded (None: not packed)
     packed_buffers: dict[str, torch.Tensor] = {}
     base = 0
     if not files:
@@ -74,8 +78,8 @@ def load_model(
                 name = info.name
                 if name.endswith(IGNORED_SUFFIXES):
                     continue
-                target, proj = _target(name, fused)
-                if target not in expected:
+                target, proj = names.get(name, (None, None))
+                if target is None:
                     if name == "lm_head.weight" and cfg.tie_word_embeddings:
                         continue  # tied: the embedding serves as the output projection
                     raise WeightsError(f"{path}: unexpected tensor '{name}' for {cfg.architecture}")
@@ -85,7 +89,7 @@ def load_model(
                 if proj is None:
                     want = tuple(meta.shape)
                 else:
-                    start, size = model.packed_shard(target, proj)
+                    start, size = model.get_submodule(target.rpartition(".")[0]).shards[proj]
                     want = (size, *meta.shape[1:])
                 if info.shape != want:
                     raise WeightsError(f"{path}: tensor '{name}' has shape {list(info.shape)}, expected {list(want)}")
@@ -107,18 +111,10 @@ def load_model(
         finally:
             st.close()
         base += st.size
-    missing = [name for param in expected for name in _missing(param, filled.get(param, set()))]
+    missing = [ckpt for ckpt, (param, shard) in names.items() if shard not in filled.get(param, ())]
     if missing:
         shown = ", ".join(f"'{n}'" for n in missing[:3])
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise WeightsError(f"{cfg.path}: missing tensor(s) {shown}{more}")
     model.post_load(device, dtype)
     return model.eval()
-
-
-def _missing(param: str, loaded: set[str | None]) -> list[str]:
-    """Checkpoint names (what users see) of the tensors PARAM still lacks."""
-    for packed, projs in PACKED_MODULES.items():
-        if f".{packed}." in param:
-            return [param.replace(packed, proj) for proj in projs if proj not in loaded]
-    return [] if loaded else [param]
