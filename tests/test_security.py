@@ -112,9 +112,9 @@ def test_health_is_open_and_says_nothing_more(server):
 
 
 def test_key_is_compared_in_constant_time():
-    from hotstart.server import api
+    from hotstart.server import gate
 
-    src = inspect.getsource(api._Gate)
+    src = inspect.getsource(gate.Gate)
     assert "hmac.compare_digest(" in src
     assert not re.search(r"(==|!=)\s*self\.key|self\.key\s*(==|!=)|\bin self\.key", src), src
 

@@ -6,7 +6,7 @@ are already cached; only the missing runs are read, so a warm start reads ~0 byt
 LoadCursor, the prefetcher never reads what the loader has passed and stays at most `window_bytes`
 ahead of it, so it neither races the loader for the disk nor floods RAM.
 
-Rules this module keeps (see ../shared/facts.md): threads do I/O only and never import (everything is
+Rules this module keeps (see docs/design.md): threads do I/O only and never import (everything is
 imported here at top level); nothing they do can raise into the caller (errors are recorded in
 stats); nothing waits on them without a timeout, and as daemons a hung read cannot block exit.
 """

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API (torch-free): build_app(engine, tokenizer, settings) -> FastAPI.
 
 OpenAIServing holds the endpoints and their checks; build_app adds the HTTP shell around it (routes,
-exception handlers, the _Gate middleware: API key, request counting, last-resort 500).
+exception handlers, the gate middleware (server/gate.py): API key, request counting, last-resort 500).
 
 Bodies are read and decoded by hand (size limit, content type, msgspec schemas) instead of through
 FastAPI's pydantic body parameters: no model building at startup, and every error is OpenAI's JSON
@@ -10,7 +10,6 @@ shape with the offending `param` rather than FastAPI's 422 detail list.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 import uuid
@@ -24,6 +23,7 @@ from starlette.responses import Response
 
 from hotstart.server.engine_client import EngineDeadError
 from hotstart.server.errors import ApiError, bad_param, describe
+from hotstart.server.gate import Gate, error_response, json_response
 from hotstart.server.generation import (
     Generation,
     GenerationError,
@@ -53,7 +53,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hotstart")
 _json = msgspec.json.Encoder()
-ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/startup", "/metrics"}
 
 
 @dataclass
@@ -73,69 +72,6 @@ class ApiSettings:
     """temperature / top_p / top_k when a request omits them (validation.read_generation_config)."""
     vocab_size: int | None = None
     """Token ids in prompts and stop_token_ids must be below it (default: the tokenizer's)."""
-
-
-def json_response(obj: Any, status: int = 200) -> Response:
-    return Response(_json.encode(obj), status_code=status, media_type="application/json")
-
-
-def error_response(err: ApiError) -> Response:
-    return json_response(err.body(), err.status)
-
-
-class _Gate:
-    """Pure ASGI middleware: the API-key check (every path but /health), request counting by status,
-    and the last resort for unexpected exceptions: a one-line log and an OpenAI-shaped 500, never a
-    traceback (Starlette's ServerErrorMiddleware would answer, then re-raise it to uvicorn's log)."""
-
-    OPEN_PATHS = frozenset({"/health"})
-
-    def __init__(self, app, settings: ApiSettings, metrics: Metrics) -> None:
-        self.app, self.metrics = app, metrics
-        self.key = settings.api_key.encode() if settings.api_key else None
-
-    def authorized(self, scope) -> bool:
-        """`Authorization: Bearer KEY`, compared in constant time (hmac.compare_digest)."""
-        given = b""
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                given = value
-                break
-        scheme, _, token = given.strip().partition(b" ")
-        # compare even when the scheme is wrong, so the timing does not tell which part failed
-        ok = hmac.compare_digest(token.strip(), self.key)
-        return ok and scheme.lower() == b"bearer"
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope["path"]
-        # a fixed label set: unknown paths must not grow the metric's cardinality
-        endpoint = path if path in ENDPOINTS else "/v1/models" if path.startswith("/v1/models/") else "other"
-        status = 499  # stays if the client leaves before a response starts
-        started = False
-
-        async def send_counted(message) -> None:
-            nonlocal status, started
-            if message["type"] == "http.response.start":
-                status, started = message["status"], True
-            await send(message)
-
-        try:
-            if self.key is not None and path not in self.OPEN_PATHS and not self.authorized(scope):
-                err = ApiError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`",
-                               code="invalid_api_key")
-                return await error_response(err)(scope, receive, send_counted)
-            await self.app(scope, receive, send_counted)
-        except Exception as exc:  # noqa: BLE001 - the last resort: answer, log one line, keep serving
-            log.error("hotstart: internal error on %s: %s", path, describe(exc))
-            if not started:
-                err = ApiError(500, "internal server error", code="internal_error")
-                await error_response(err)(scope, receive, send_counted)
-            else:
-                status = 500
-        finally:
-            self.metrics.observe_request(endpoint, status)
 
 
 class OpenAIServing:
@@ -330,7 +266,7 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, settings: ApiSettings)
     app.state.metrics = serving.metrics
     app.state.set_startup_seconds = serving.metrics.set_startup_duration
     app.state.prefetch_stats = None
-    app.add_middleware(_Gate, settings=settings, metrics=serving.metrics)
+    app.add_middleware(Gate, api_key=settings.api_key, metrics=serving.metrics)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_api_route("/v1/chat/completions", serving.chat_completions, methods=["POST"])
