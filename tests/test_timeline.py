@@ -1,11 +1,17 @@
-"""The startup timeline: ordering, JSON, log lines, Chrome trace, PNG."""
+"""The startup timeline: ordering, JSON, log lines, Chrome trace, PNG (layout, critical path)."""
 
+import itertools
 import json
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
+
+import pytest
 
 from hotstart.boot.timeline import Timeline, from_chrome_trace
-from hotstart.boot.timeline_png import render_png
+from hotstart.boot.timeline_png import build_figure, critical_path, render_png
 
 
 def _sample() -> Timeline:
@@ -113,3 +119,96 @@ def test_render_png(tmp_path):
     assert (tmp_path / "from_trace.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     render_png({"t0": 0.0, "phases": []}, tmp_path / "empty.png")  # nothing recorded: still draws
     assert (tmp_path / "empty.png").stat().st_size > 0
+
+
+# A real `hotstart serve` startup (default model, this machine), then a crowded one: a dozen phases
+# of 2 ms, marks 1-10 ms apart, a second lane, a phase after "engine ready", a long name and detail.
+REAL = [("forkserver launched", "api", 0.0, 0.0246), ("model resolved", "api", 0.0773, 0.0782),
+        ("engine config sent", "api", 0.0911, 0.1098),
+        ("forkserver up (torch + engine imported)", "forkserver", 0.0992, 2.3932),
+        ("prefetch started", "api", 0.1391, 0.2386), ("web stack imported", "api", 0.3254, 1.1567),
+        ("tokenizer loaded", "api", 1.1568, 1.5172), ("socket bound", "api", 1.5806, 1.5807),
+        ("engine forked", "forkserver", 2.3951, 2.4037), ("engine config", "engine", 2.4103, 2.4152),
+        ("weights loaded", "engine", 2.4155, 2.5959), ("KV cache allocated", "engine", 2.5959, 2.6062),
+        ("engine ready", "engine", 2.6065, 2.6065), ("first request served", "api", 7.0232, 7.0232)]
+CROWDED = REAL[:-1] + [(f"step {i}", "api", 0.03 + i * 0.004, 0.032 + i * 0.004) for i in range(12)] + [
+    ("prefetch", "api", 0.1, 3.0), ("ready", "api", 2.607, 2.607), ("compile decode", "engine", 2.61, 9.5),
+    ("compile prefill (a rather long phase name for its bar)", "compile", 2.62, 2.9),
+    ("first request served", "api", 2.62, 2.62), ("$odd$ mark", "api", 2.63, 2.63),
+    ("graphs captured", "engine", 9.5, 9.52)]
+
+
+def _timeline(rows: list[tuple[str, str, float, float]], detail: str = "") -> dict:
+    return {"t0": 0.0, "phases": sorted(({"name": n, "process": proc, "start_s": s, "end_s": e,
+                                          "duration_s": e - s, "detail": detail} for n, proc, s, e in rows),
+                                         key=lambda p: p["start_s"])}
+
+
+def _drawn_texts(fig) -> list:
+    """Every text the figure draws: its own labels and table, legend, axis label, tick labels in view."""
+    ax = fig.axes[0]
+    lo, hi = ax.get_xlim()
+    ticks = [t for t in ax.get_xticklabels() if lo <= t.get_position()[0] <= hi] + ax.get_yticklabels()
+    legend = [t for lg in fig.legends for t in lg.get_texts()]
+    return [t for t in [*fig.texts, *ax.texts, *ticks, *legend, ax.xaxis.label] if t.get_text().strip()]
+
+
+@pytest.mark.parametrize("rows", [REAL, CROWDED], ids=["real", "crowded"])
+def test_png_labels_do_not_overlap(rows):
+    tl = _timeline(rows, detail="a long detail, " * 20)
+    fig = build_figure(tl)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    width, height = fig.canvas.get_width_height()
+    boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in _drawn_texts(fig)]
+    clash = [(a, b) for (a, ba), (b, bb) in itertools.combinations(boxes, 2)
+             if min(ba.x1, bb.x1) - max(ba.x0, bb.x0) > 0.5 and min(ba.y1, bb.y1) - max(ba.y0, bb.y0) > 0.5]
+    assert clash == []
+    outside = [a for a, b in boxes if b.x0 < 0 or b.y0 < 0 or b.x1 > width or b.y1 > height]
+    assert outside == []
+    texts = {t for t, _ in boxes}
+    n = len(tl["phases"])
+    assert {str(i) for i in range(1, n + 1)} <= texts  # every phase has its number (table and chart)
+    assert {p["name"] for p in tl["phases"]} <= texts  # and its name in the table
+    assert sum(t.startswith("first request served ") for t in texts) == 1  # the mark's label
+    title = fig.texts[0].get_text()
+    assert "engine ready 2.61 s" in title and "first request served" in title
+
+
+def test_critical_path():
+    tl = _timeline([("a", "api", 0.0, 1.0), ("b", "forkserver", 0.5, 2.0), ("c", "api", 1.0, 1.5),
+                    ("d", "engine", 2.0, 3.0), ("e", "api", 2.2, 2.4), ("engine ready", "engine", 3.0, 3.0),
+                    ("first request served", "api", 4.0, 4.0), ("late", "api", 4.5, 5.0)])
+    names = lambda path: [p["name"] for p in path]  # noqa: E731
+    # b ended last before d started; nothing ended before b started (a ends at 1.0 > 0.5).
+    assert names(critical_path(tl["phases"])) == ["b", "d", "engine ready", "first request served"]
+    no_answer = [p for p in tl["phases"] if p["name"] != "first request served"]
+    assert names(critical_path(no_answer)) == ["b", "d", "engine ready"]
+    no_marks = [p for p in no_answer if p["name"] != "engine ready"]
+    assert names(critical_path(no_marks)) == ["b", "d", "late"]  # from what ended last
+    assert critical_path([]) == []
+    assert names(critical_path(_timeline(REAL)["phases"])) == [
+        "forkserver launched", "model resolved", "forkserver up (torch + engine imported)", "engine forked",
+        "engine config", "weights loaded", "KV cache allocated", "engine ready", "first request served"]
+
+
+def test_png_marks_the_critical_path():
+    fig = build_figure(_timeline(REAL))
+    on_path = {"forkserver launched", "weights loaded", "first request served"}
+    bold = {t.get_text() for t in fig.texts if t.get_fontweight() == "bold"}
+    assert on_path <= bold and "tokenizer loaded" not in bold  # bold rows in the table
+    outlines = sorted({round(p.get_linewidth(), 1) for p in fig.axes[0].patches})
+    assert outlines[-1] >= 2 and outlines[0] < 1  # thick outlines on the path, thin elsewhere
+    assert any("critical path" in t.get_text() for lg in fig.legends for t in lg.get_texts())
+
+
+def test_timeline_without_matplotlib(tmp_path):
+    trace = tmp_path / "trace.json"
+    _sample().write_chrome_trace(trace)
+    code = ("import sys; sys.modules['matplotlib'] = None; from hotstart.cli import main; "
+            f"sys.exit(main(['timeline', {str(trace)!r}, '-o', {str(tmp_path / 'x.png')!r}]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr == "hotstart: error: drawing a timeline needs matplotlib (pip install matplotlib)\n"
+    assert out.stdout == "" and not (tmp_path / "x.png").exists()
