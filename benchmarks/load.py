@@ -32,7 +32,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_bench import CpuNoise, Spawned, hotstart_server, pct, stream_request
+from serve_bench import CpuNoise, hotstart_server, last_lines, pct, stream_request
+
+from hotstart.bench.process import Server  # importable: serve_bench put the repository on sys.path
 
 PROMPTS = [
     "What is the capital of France?",
@@ -316,14 +318,14 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
-    srv: Spawned | None = None
+    srv: Server | None = None
     try:
         if args.spawn:
             if args.omp_threads:
                 os.environ["OMP_NUM_THREADS"] = str(args.omp_threads)
             srv = hotstart_server(args.model, args.dtype, args.server_args.split())
             url, pid = srv.url, srv.pid
-            print(f"spawned hotstart (pid {pid}) at {url}, healthy after {srv.ready_s:.1f} s", flush=True)
+            print(f"spawned hotstart (pid {pid}) at {url}, healthy after {srv.t_health:.1f} s", flush=True)
         else:
             url = args.url.rstrip("/")
             pid = args.pid or server_pid_for(url)
@@ -332,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         res = asyncio.run(run(args, url, pid))
     except BaseException:
         if srv is not None:
-            print(srv.output, file=sys.stderr)
+            print(last_lines(srv), file=sys.stderr)
         raise
     finally:
         if srv is not None:

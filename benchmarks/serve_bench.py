@@ -29,7 +29,9 @@ resolves auto to float32 on CPUs without native bf16, so pass --dtype explicitly
 transformers serve runs requests one at a time unless started with --continuous-batching; add
 `--peer-cb` to measure that mode as well (server "transformers-cb"; ratios are printed against each peer).
 
-Helpers here (Spawned, stream_request, wait_quiet) are reused by benchmarks/load.py.
+Servers are launched, health-checked and stopped by hotstart.bench.process.Server (the startup
+benchmark's and the tests' launcher too); spawn, stream_request and CpuNoise here are reused by
+benchmarks/load.py.
 """
 
 from __future__ import annotations
@@ -43,15 +45,14 @@ import platform
 import re
 import shutil
 import signal
-import socket
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from hotstart.bench.process import RunFailed, Server, free_port  # noqa: E402
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -75,106 +76,40 @@ PROMPTS = [
 
 # ---------------------------------------------------------------- servers
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def spawn(name: str, argv: list[str], env: dict, url: str | None = None,
+          ready_timeout: float = 300.0) -> Server:
+    """Launch a server (own session, output read into .lines) and wait for /health; if it never gets
+    there it is stopped again. The URL is `url`, else the one it prints (`--port 0`)."""
+    srv = Server.launch(argv, env={**os.environ, **env}, tag=name, url=url)
+    try:
+        srv.wait_healthy(srv.t_launch + ready_timeout)
+    except BaseException as e:
+        srv.stop()
+        if isinstance(e, RunFailed):
+            raise RuntimeError(f"{name}: {e}:\n{last_lines(srv)}") from None
+        raise
+    return srv
 
 
-class Spawned:
-    """A server subprocess in its own session; stop() kills the whole process group."""
-
-    def __init__(self, name: str, argv: list[str], url: str | None = None, env: dict | None = None,
-                 ready_timeout: float = 300.0):
-        import httpx
-
-        self.name, self.argv, self.url = name, argv, url
-        self.lines: list[str] = []
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, **(env or {})}, start_new_session=True)
-        found = threading.Event()
-        if url is not None:
-            found.set()
-
-        def pump() -> None:
-            for line in self.proc.stdout:
-                self.lines.append(line)
-                m = re.search(r"on (http://[\d.]+:\d+)", line)
-                if m and self.url is None:
-                    self.url = m.group(1)
-                    found.set()
-            found.set()
-
-        threading.Thread(target=pump, daemon=True).start()
-        t0 = time.monotonic()
-        try:
-            if not found.wait(ready_timeout) or self.url is None:
-                raise RuntimeError(f"{name} printed no URL:\n{self.output}")
-            while time.monotonic() - t0 < ready_timeout:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"{name} exited with {self.proc.returncode}:\n{self.output}")
-                try:
-                    if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.1)
-            else:
-                raise RuntimeError(f"{name} never became healthy in {ready_timeout:.0f} s:\n{self.output}")
-        except BaseException:
-            self.stop()
-            raise
-        self.ready_s = time.monotonic() - t0
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    @property
-    def output(self) -> str:
-        return "".join(self.lines[-60:])
-
-    def stop(self, timeout: float = 15.0) -> None:
-        """SIGTERM the group, then SIGKILL whatever is left of it."""
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(timeout)
-                if sig == signal.SIGTERM:  # the leader is gone: give its children a moment, then kill the rest
-                    deadline = time.monotonic() + 5
-                    while time.monotonic() < deadline:
-                        os.killpg(self.proc.pid, 0)  # ProcessLookupError once the group is empty
-                        time.sleep(0.1)
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-            except ProcessLookupError:
-                break
-        try:
-            self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            pass
+def last_lines(srv: Server, n: int = 60) -> str:
+    return "".join(srv.lines[-n:])
 
 
-def hotstart_server(model: str | None, dtype: str, extra: list[str], max_num_seqs: int | None = None) -> Spawned:
+def hotstart_server(model: str | None, dtype: str, extra: list[str], max_num_seqs: int | None = None) -> Server:
     argv = [sys.executable, "-m", "hotstart", "serve", *([model] if model else []), "--port", "0",
             "--dtype", dtype, *(["--max-num-seqs", str(max_num_seqs)] if max_num_seqs else []), *extra]
-    return Spawned("hotstart", argv, env={"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"})
+    return spawn("hotstart", argv, env={"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"})
 
 
-def peer_server(model: str, dtype: str, extra: list[str], cb: bool = False) -> Spawned:
+def peer_server(model: str, dtype: str, extra: list[str], cb: bool = False) -> Server:
     exe = shutil.which("transformers", path=str(Path(sys.executable).parent)) or shutil.which("transformers")
     if exe is None:
         raise SystemExit('`transformers` CLI not found: pip install "transformers[serving]"')
     port = free_port()
     argv = [exe, "serve", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--dtype", dtype,
             *(["--continuous-batching"] if cb else []), *extra, model]
-    return Spawned("transformers-cb" if cb else "transformers", argv, url=f"http://127.0.0.1:{port}",
-                   env={"HF_HUB_OFFLINE": "1"})
+    return spawn("transformers-cb" if cb else "transformers", argv, env={"HF_HUB_OFFLINE": "1"},
+                 url=f"http://127.0.0.1:{port}")
 
 
 def wait_quiet(max_load: float, max_wait: float) -> dict:
@@ -447,7 +382,6 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["OMP_NUM_THREADS"] = str(args.omp_threads)  # inherited by both servers
     model = args.model
     if model is None:
-        sys.path.insert(0, str(REPO))
         from hotstart.boot.default_model import ensure_default_model
 
         model = str(ensure_default_model(quiet=True))
@@ -474,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
             res = asyncio.run(bench_server(kind, srv.url, levels, args.rounds, args.max_tokens, args.timeout,
                                            srv.pid, args.noise_cores, args.retries, args.max_wait))
         except BaseException:
-            print(srv.output, file=sys.stderr)
+            print(last_lines(srv), file=sys.stderr)
             raise
         finally:
             srv.stop()
@@ -482,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = json.loads((Path(model) / "config.json").read_text())
         cfg_dtype = cfg.get("dtype") or cfg.get("torch_dtype")
         dtype = m.group(1) if m else (cfg_dtype if args.dtype == "auto" else args.dtype)
-        res.update(argv=srv.argv, ready_s=srv.ready_s, dtype=dtype, **quiet,
+        res.update(argv=srv.argv, ready_s=srv.t_health, dtype=dtype, **quiet,
                    load1_at_end=round(os.getloadavg()[0], 2))
         print(f"{kind}: ran in {dtype}", flush=True)
         results[kind] = res

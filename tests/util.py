@@ -38,83 +38,54 @@ def tagged(tag: str) -> list:
 
 
 class Server:
-    """A real `hotstart serve` subprocess on a free port; stop() checks that nothing is left behind."""
+    """A real `hotstart serve` subprocess on a free port; stop() checks that nothing is left behind.
+
+    A thin wrapper of hotstart.bench.process.Server (own session, output pumped into `lines`, URL read
+    from it), with the interface the tests use: url, lines, output, descendants(), stop(), kill()."""
 
     def __init__(self, *args: str, env: dict | None = None, ready_timeout: float = 120.0, wait_ready: bool = True):
-        import re
-        import threading
-        import time
+        from hotstart.bench.process import RunFailed
+        from hotstart.bench.process import Server as Launched
 
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hotstart", "serve", "--port", "0", *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, **(env or {})}, start_new_session=True,
-        )
-        self.lines: list[str] = []
-        self.url: str | None = None
-        found = threading.Event()
-
-        def pump():
-            for line in self.proc.stdout:
-                self.lines.append(line)
-                m = re.search(r"on (http://[\d.]+:\d+)", line)
-                if m and self.url is None:
-                    self.url = m.group(1)
-                    found.set()
-            found.set()
-
-        threading.Thread(target=pump, daemon=True).start()
-        deadline = time.monotonic() + ready_timeout
-        if not found.wait(ready_timeout) or self.url is None:
+        # No death signal: it is set between fork and exec, unsafe while other servers' readers run.
+        self._srv = Launched.launch([sys.executable, "-m", "hotstart", "serve", "--port", "0", *args],
+                                    env={**os.environ, **(env or {})}, tag="hotstart serve", pdeathsig=False)
+        deadline = self._srv.t_launch + ready_timeout
+        try:
+            self._srv.wait_url(deadline)
+            if wait_ready:
+                self._srv.wait_healthy(deadline)
+        except RunFailed as e:
             self.kill()
-            raise RuntimeError("server did not start:\n" + "".join(self.lines))
-        if wait_ready:
-            import httpx
+            raise RuntimeError(f"server did not start: {e}\n{self.output}") from None
 
-            while time.monotonic() < deadline:
-                try:
-                    if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                if self.proc.poll() is not None:
-                    break
-                time.sleep(0.1)
-            self.kill()
-            raise RuntimeError("server never became healthy:\n" + "".join(self.lines))
+    @property
+    def proc(self) -> subprocess.Popen:
+        return self._srv.proc
+
+    @property
+    def url(self) -> str:
+        return self._srv.url
+
+    @property
+    def lines(self) -> list[str]:
+        return self._srv.lines
 
     @property
     def output(self) -> str:
-        return "".join(self.lines)
+        return self._srv.output
 
     def descendants(self) -> list[int]:
-        import psutil
-
-        try:
-            return [p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return []
+        return self._srv.descendants()
 
     def stop(self, sig: int = 15, timeout: float = 10.0) -> float:
-        """Send SIG; return seconds until the server and all its descendants are gone."""
-        import time
-
-        import psutil
-
-        kids = self.descendants()
-        t = time.monotonic()
-        self.proc.send_signal(sig)
-        self.proc.wait(timeout)
-        gone, alive = psutil.wait_procs([psutil.Process(p) for p in kids if psutil.pid_exists(p)],
-                                        timeout=max(0.1, timeout - (time.monotonic() - t)))
-        assert not alive, f"orphans left: {[p.pid for p in alive]}"
-        return time.monotonic() - t
+        """Send SIG to the server alone; return seconds until it and all its processes are gone (it
+        must end them itself within TIMEOUT; whatever is left then is killed and fails the test)."""
+        r = self._srv.stop(timeout, group=False, sig=sig)
+        assert not r["killed"] and not r["leftover"], (
+            f"still alive {timeout} s after signal {sig}: {r['stragglers'] or [self.proc.pid]} "
+            f"(exit code {r['returncode']})\n{self.output[-3000:]}")
+        return r["stop_s"]
 
     def kill(self) -> None:
-        import signal
-
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(10)
+        self._srv.kill()
