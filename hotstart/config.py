@@ -222,6 +222,8 @@ class EngineConfig:
     gpu_memory_utilization: float = option(0.9, "fraction of GPU memory the engine may use (weights + KV cache)",
                                            type=fraction)
     seed: int = option(0, "seed of the sampler's default generator", type=int)
+    enable_prefix_caching: bool = option(True, "reuse the KV blocks of prompt prefixes computed before "
+                                               "(content-hashed full blocks, LRU eviction)", action="boolean")
     cursor_path: str | None = None  # LoadCursor file shared with the API process's prefetcher (None: none)
     t0: float = 0.0  # launch time (time.time()) for the startup timeline
 
@@ -252,6 +254,10 @@ class ServeConfig:
                            action="store_false")
     startup_trace: str | None = option(None, "write the startup timeline (Chrome trace JSON)", metavar="FILE")
     log_level: str = option("info", "log verbosity", choices=["debug", "info", "warning", "error"])
+    generation_config: str = option("auto", "auto: the model folder's generation_config.json sampling fields "
+                                            "(temperature, top_p, top_k, min_p, repetition_penalty) are the "
+                                            "defaults requests override; none: ignore them",
+                                    choices=["auto", "none"])
 
     @classmethod
     def from_args(cls, args) -> ServeConfig:

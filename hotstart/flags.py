@@ -59,7 +59,8 @@ def option(default: Any, help: str, *, flag: str | None = None, short: str | Non
            type: Any = None, choices: Any = None, action: str | None = None, env: str | None = None,  # noqa: A002
            metavar: str | None = None) -> Any:
     """A dataclass field that is also a command-line flag. ACTION "store_false" makes FLAG (e.g.
-    --no-prefetch) switch a True default off; ENV names an environment variable for the default."""
+    --no-prefetch) switch a True default off; "boolean" makes --NAME / --no-NAME pairs (vLLM's style);
+    ENV names an environment variable for the default."""
     meta = {"help": help, "flag": flag, "short": short, "type": type, "choices": choices, "action": action,
             "env": env, "metavar": metavar}
     return dataclasses.field(default=default, metadata={"option": meta})
@@ -81,6 +82,8 @@ def add_options(parser: argparse.ArgumentParser | Any, cls, exclude: tuple[str, 
         kwargs: dict[str, Any] = {"dest": f.name, "help": o["help"]}
         if o["action"] == "store_false":
             kwargs.update(action="store_false")
+        elif o["action"] == "boolean":
+            kwargs.update(action=argparse.BooleanOptionalAction, default=default)
         elif o["action"] == "append":
             kwargs.update(action="append", type=o["type"], default=None)
         else:

@@ -31,13 +31,32 @@ class Span(msgspec.Struct, tag="span"):
 # ---- API process <-> engine ---------------------------------------------------------------------
 
 class SamplingParams(msgspec.Struct, frozen=True):
+    """How one request samples. Defaults are the plain path: a request that keeps them costs the
+    sampler nothing beyond temperature / top-p / top-k."""
+
     max_tokens: int
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = disabled
-    seed: int | None = None
+    seed: int | None = None  # choice i of n samples with seed + i
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    n: int = 1  # choices; they share the prompt's KV blocks
+    min_p: float = 0.0  # drop tokens whose probability is below min_p x the top one's (after temperature)
+    presence_penalty: float = 0.0  # OpenAI: logit -= presence x [count > 0], counts over generated tokens
+    frequency_penalty: float = 0.0  # OpenAI: logit -= frequency x count
+    repetition_penalty: float = 1.0  # HF: over prompt + generated tokens, logit / p if > 0 else logit x p
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit
+    min_tokens: int = 0  # eos and stop_token_ids are masked until this many tokens are generated
+    logprobs: int | None = None  # None: none; k >= 0: the sampled token's raw logprob and the top k
+    prompt_logprobs: int | None = None  # the same for every prompt token but the first (echo)
+
+    @property
+    def needs_sampler_state(self) -> bool:
+        """True unless the request takes only the plain path (temperature / top-p / top-k)."""
+        return (self.min_p > 0 or self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1 or bool(self.logit_bias) or self.min_tokens > 0
+                or self.logprobs is not None or self.prompt_logprobs is not None)
 
 
 class EngineRequest(msgspec.Struct, tag="req"):
@@ -48,10 +67,20 @@ class EngineRequest(msgspec.Struct, tag="req"):
 
 class AbortRequest(msgspec.Struct, tag="abort"):
     request_ids: list[str]
+    index: int | None = None  # only this choice of each (ended by a stop string): nothing is reported
 
 
 class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """Raw model logprobs (log-softmax of the logits, before temperature and penalties) at one position:
+    the chosen token's and the top ones' (descending)."""
+
+    logprob: float
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
 
 
 class TokenOutput(msgspec.Struct):
@@ -61,6 +90,10 @@ class TokenOutput(msgspec.Struct):
     # "abort" (aborted by the client), "error" (the engine could not run it; see error)
     finish_reason: str | None = None
     error: str | None = None
+    index: int = 0  # the choice (0..n-1); "error" and "abort" outputs end every choice of the request
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when params.logprobs is set
+    # prompt tokens 1..P-1 (the first has none), once, with choice 0's first output (params.prompt_logprobs)
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class EngineStats(msgspec.Struct):
@@ -69,6 +102,11 @@ class EngineStats(msgspec.Struct):
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     num_preemptions: int = 0
+    # engine totals since it started (tokens): prompt tokens looked up in the prefix cache / found there,
+    # and prompt tokens actually computed (prefill work; n > 1 prefills once)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prompt_tokens_computed: int = 0
 
 
 class StepOutputs(msgspec.Struct, tag="out"):

@@ -1,6 +1,23 @@
-"""Fixed-size KV-cache blocks: a free list, per-sequence block tables."""
+"""Fixed-size KV-cache blocks: refcounted, shared between choices, content-hashed for prefix caching.
+
+- Refcounts: the n choices of a request share its prompt's blocks (fork()). A shared block that is only
+  partly filled is copied before a choice writes into it (copy-on-write: allocate() queues (src, dst)
+  in pending_copies, the runner copies them before the step's forward).
+- Prefix caching (vLLM v1's scheme): a full block is identified by a hash chain over token ids,
+  hash(parent block's hash, this block's token ids), so equal hashes mean equal prefixes and equal K/V.
+  Computed full blocks are registered (cache_full_blocks); a new sequence starts from the longest
+  chain of cached blocks (lookup) and computes only the rest, always at least its last token (its
+  logits are needed). A freed block keeps its hash and contents until it is handed out again.
+- Free blocks form one LRU queue: blocks without a hash are handed out first, then cached ones,
+  least recently freed first (a sequence's later blocks before its earlier ones).
+"""
 
 from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
 
 from hotstart.engine.sequence import Sequence
 
@@ -9,12 +26,25 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def block_hash(parent: bytes, token_ids: Seq[int]) -> bytes:
+    """The prefix-cache key of a full block: its token ids chained to the key of the block before it."""
+    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
+
+
 class BlockManager:
     """Hands out block ids 1..num_blocks; id 0 is the runner's always-zero null block (padding reads it)."""
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         self.num_blocks, self.block_size = num_blocks, block_size
-        self._free = list(range(num_blocks, 0, -1))  # pop() hands out low ids first
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref = [0] * (num_blocks + 1)
+        self.hash_of: list[bytes | None] = [None] * (num_blocks + 1)
+        # block id -> None, in hand-out order (popitem(last=False) is the next one)
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks + 1))
+        self._cached: dict[bytes, int] = {}  # full-block hash -> block id holding that content
+        self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst), for the runner
+        self.cache_queries = 0  # tokens of admitted sequences looked up in the prefix cache
+        self.cache_hits = 0  # of which found there
 
     @property
     def num_free(self) -> int:
@@ -24,20 +54,123 @@ class BlockManager:
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
 
-    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-        """Extra blocks SEQ needs to hold NUM_TOKENS tokens in total."""
-        return max(0, blocks_for(num_tokens, self.block_size) - len(seq.block_table))
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
 
-    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.blocks_needed(seq, num_tokens) <= len(self._free)
+    # --- prefix cache -----------------------------------------------------------------------
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """SEQ's hash chain over its first NUM_BLOCKS full blocks (kept on the sequence, extended)."""
+        hashes, bs = seq.block_hashes, self.block_size
+        while len(hashes) < num_blocks:
+            j = len(hashes)
+            hashes.append(block_hash(hashes[-1] if hashes else b"", seq.token_ids[j * bs:(j + 1) * bs]))
+        return hashes
 
-    def allocate(self, seq: Sequence, num_tokens: int) -> None:
-        need = self.blocks_needed(seq, num_tokens)
+    def lookup(self, seq: Sequence) -> list[int]:
+        """The cached blocks SEQ (holding no blocks) can start from, longest prefix first; no side effects.
+        At most (num_tokens - 1) // block_size: the last token is always computed."""
+        if not self.enable_prefix_caching or seq.skip_prefix_cache or seq.block_table:
+            return []
+        hits: list[int] = []
+        for h in self._hashes(seq, (seq.num_tokens - 1) // self.block_size):
+            block = self._cached.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register SEQ's blocks that are full of computed tokens (called after each step)."""
+        if not self.enable_prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        if full <= seq.num_cached_blocks:
+            return
+        hashes = self._hashes(seq, full)
+        for j in range(seq.num_cached_blocks, full):
+            block, h = seq.block_table[j], hashes[j]
+            if self.hash_of[block] is None and h not in self._cached:
+                self._cached[h] = block
+                self.hash_of[block] = h
+        seq.num_cached_blocks = full
+
+    # --- allocation -------------------------------------------------------------------------
+    def _cow_needed(self, seq: Sequence) -> bool:
+        """Will SEQ's next token go into a partly filled block it shares with another choice?"""
+        j, offset = divmod(seq.num_computed_tokens, self.block_size)
+        return offset > 0 and j < len(seq.block_table) and self.ref[seq.block_table[j]] > 1
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int, hits: Seq[int] = ()) -> int:
+        """Free blocks SEQ takes to hold NUM_TOKENS tokens in total (starting from HITS if it holds none)."""
+        held = len(seq.block_table) + len(hits)
+        need = max(0, blocks_for(num_tokens, self.block_size) - held)
+        revived = sum(1 for b in hits if self.ref[b] == 0)  # cached blocks that sit in the free queue
+        return need + revived + self._cow_needed(seq)
+
+    def can_allocate(self, seq: Sequence, num_tokens: int, hits: Seq[int] = ()) -> bool:
+        return self.blocks_needed(seq, num_tokens, hits) <= len(self._free)
+
+    def _pop_free(self) -> int:
+        block, _ = self._free.popitem(last=False)
+        h = self.hash_of[block]
+        if h is not None:  # evict: its content is about to be overwritten
+            if self._cached.get(h) == block:
+                del self._cached[h]
+            self.hash_of[block] = None
+        self.ref[block] = 1
+        return block
+
+    def allocate(self, seq: Sequence, num_tokens: int, hits: Seq[int] = ()) -> None:
+        """Give SEQ blocks for NUM_TOKENS tokens in total. HITS (from lookup(), for a sequence holding
+        no blocks) become its first blocks and its computed tokens."""
+        need = self.blocks_needed(seq, num_tokens, hits)
         if need > len(self._free):
             raise RuntimeError(f"KV cache: {need} blocks needed, {len(self._free)} free")
-        seq.block_table.extend(self._free.pop() for _ in range(need))
+        if hits:
+            for b in hits:
+                if self.ref[b] == 0:
+                    del self._free[b]
+                self.ref[b] += 1
+            seq.block_table = list(hits)
+            seq.num_computed_tokens = len(hits) * self.block_size
+            seq.num_cached_blocks = len(hits)
+        if self._cow_needed(seq):
+            j = seq.num_computed_tokens // self.block_size
+            src, dst = seq.block_table[j], self._pop_free()
+            self.ref[src] -= 1
+            seq.block_table[j] = dst
+            self.pending_copies.append((src, dst))
+        seq.block_table.extend(self._pop_free() for _ in range(blocks_for(num_tokens, self.block_size)
+                                                                - len(seq.block_table)))
+
+    def count_query(self, seq: Sequence, hits: Seq[int]) -> None:
+        """Prefix-cache statistics of an admitted sequence (tokens)."""
+        if self.enable_prefix_caching and not seq.skip_prefix_cache:
+            self.cache_queries += seq.num_tokens
+            self.cache_hits += len(hits) * self.block_size
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """CHILD shares every block of PARENT (same tokens so far); writes into a shared partly filled
+        block are copied first."""
+        for b in parent.block_table:
+            self.ref[b] += 1
+        child.block_table = list(parent.block_table)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.block_hashes = list(parent.block_hashes)
+        child.num_cached_blocks = parent.num_cached_blocks
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def free(self, seq: Sequence) -> None:
-        self._free.extend(reversed(seq.block_table))
+        for b in reversed(seq.block_table):
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                self._free[b] = None
+                if self.hash_of[b] is None:  # nothing worth keeping: hand it out before cached ones
+                    self._free.move_to_end(b, last=False)
         seq.block_table = []
         seq.num_computed_tokens = 0
+        seq.num_cached_blocks = 0

@@ -14,16 +14,20 @@ import torch
 from hotstart.config import EngineConfig, ModelConfig, load_model_config
 from hotstart.engine.block_manager import BlockManager, blocks_for
 from hotstart.engine.model_runner import ModelRunner, kv_bytes_per_token
-from hotstart.engine.sampler import sample
+from hotstart.engine.sampler import Sampler, prompt_logprobs
 from hotstart.engine.scheduler import Scheduler
 from hotstart.engine.sequence import Sequence
 from hotstart.errors import HotstartError
-from hotstart.messages import EngineRequest, EngineStats, Span, TokenOutput
+from hotstart.messages import EngineRequest, EngineStats, SamplingParams, Span, TokenOutput
 from hotstart.model.files import weight_files
+from hotstart.system import cpu_flags
 
 SpanHook = Callable[[Span], None]  # told of each startup phase as it ends
 
 CPU_KV_CACHE_CAP = 4 << 30
+PROMPT_LOGPROBS_CHUNK = 256  # prompt tokens per step of a request with prompt logprobs ([chunk, V] logits)
+MAX_LOGPROBS = 20
+UINT64 = 1 << 64
 
 
 @dataclass(frozen=True)
@@ -53,11 +57,7 @@ def resolve_placement(cfg: EngineConfig, model_cfg: ModelConfig) -> Placement:
 
 
 def _native_cpu_dtypes() -> set[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return set()
+    flags = cpu_flags()
     native = set()
     if "avx512_bf16" in flags or "amx_bf16" in flags:
         native.add("bfloat16")
@@ -98,15 +98,24 @@ def kv_cache_blocks(cfg: EngineConfig, per_token: int, max_model_len: int, devic
     return int(blocks)
 
 
+def choice_seed(seed: int, index: int) -> int:
+    """Choice INDEX of a seeded request samples with seed + index (wrapped to torch's seed range)."""
+    s = seed + index
+    return s - UINT64 if s >= UINT64 else s
+
+
 class EngineCore:
     def __init__(self, runner: ModelRunner, cfg: EngineConfig, model_cfg: ModelConfig, num_blocks: int,
                  max_model_len: int, placement: Placement):
         self.runner, self.cfg, self.model_cfg = runner, cfg, model_cfg
         self.max_model_len, self.placement = max_model_len, placement
-        self.blocks = BlockManager(num_blocks, cfg.block_size)
+        self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        self.seqs: dict[str, Sequence] = {}
+        self.sampler = Sampler(model_cfg.vocab_size, placement.device, model_cfg.eos_token_ids)
+        self.requests: dict[str, list[Sequence]] = {}  # request id -> its live choices
         self.default_generator = torch.Generator().manual_seed(cfg.seed)
+        self.prompt_tokens_computed = 0
+        self._num_prompt_logprobs = 0  # live sequences still collecting prompt logprobs
 
     @classmethod
     def build(cls, cfg: EngineConfig, on_span: SpanHook | None = None,
@@ -138,41 +147,90 @@ class EngineCore:
         return cls(runner, replace(cfg, weight_files=tuple(files)), model_cfg, num_blocks, max_len, placement)
 
     # --- requests -------------------------------------------------------------------------
+    def _check(self, req: EngineRequest) -> str | None:
+        """Why REQ can never run, or None."""
+        p, n_prompt, vocab = req.params, len(req.prompt_token_ids), self.model_cfg.vocab_size
+        total = n_prompt + p.max_tokens
+        if req.request_id in self.requests:
+            return f"duplicate request id {req.request_id}"
+        if n_prompt == 0:
+            return "the prompt is empty"
+        if total > self.max_model_len:
+            return (f"this model's maximum context length is {self.max_model_len} tokens; the request asks for "
+                    f"{total} ({n_prompt} in the prompt + {p.max_tokens} to generate)")
+        if blocks_for(total, self.blocks.block_size) > self.blocks.num_blocks:
+            return f"the request needs {total} tokens of KV cache, the engine holds {self.blocks.num_blocks * self.blocks.block_size}"
+        if any(t < 0 or t >= vocab for t in req.prompt_token_ids):
+            return f"prompt token ids must be in [0, {vocab})"
+        if not 1 <= p.n <= self.cfg.max_num_seqs:
+            return f"n must be in [1, {self.cfg.max_num_seqs}] (the engine's max_num_seqs), got {p.n}"
+        if any(t < 0 or t >= vocab for t in p.logit_bias):
+            return f"logit_bias token ids must be in [0, {vocab})"
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(p, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                return f"{name} must be in [0, {MAX_LOGPROBS}], got {k}"
+        return None
+
     def add_request(self, req: EngineRequest) -> TokenOutput | None:
         """Queue REQ; returns an error output instead if it can never run."""
-        n_prompt = len(req.prompt_token_ids)
-        total = n_prompt + req.params.max_tokens
-        error = None
-        if req.request_id in self.seqs:
-            error = f"duplicate request id {req.request_id}"
-        elif n_prompt == 0:
-            error = "the prompt is empty"
-        elif total > self.max_model_len:
-            error = (f"this model's maximum context length is {self.max_model_len} tokens; the request asks for "
-                     f"{total} ({n_prompt} in the prompt + {req.params.max_tokens} to generate)")
-        elif blocks_for(total, self.blocks.block_size) > self.blocks.num_blocks:
-            error = f"the request needs {total} tokens of KV cache, the engine holds {self.blocks.num_blocks * self.blocks.block_size}"
-        elif any(t < 0 or t >= self.model_cfg.vocab_size for t in req.prompt_token_ids):
-            error = f"prompt token ids must be in [0, {self.model_cfg.vocab_size})"
+        error = self._check(req)
         if error:
             return TokenOutput(req.request_id, [], "error", error)
-        gen = None
-        if req.params.seed is not None:
-            gen = torch.Generator().manual_seed(req.params.seed)
-        elif req.params.temperature > 0:
-            gen = self.default_generator
-        seq = Sequence(req.request_id, list(req.prompt_token_ids), n_prompt, req.params, gen)
-        self.seqs[req.request_id] = seq
+        n_prompt = len(req.prompt_token_ids)
+        seq = Sequence(req.request_id, list(req.prompt_token_ids), n_prompt, req.params,
+                       self._generator(req.params, 0), forks_pending=req.params.n - 1)
+        if req.params.prompt_logprobs is not None and n_prompt > 1:
+            seq.skip_prefix_cache, seq.max_chunk, seq.prompt_logprobs = True, PROMPT_LOGPROBS_CHUNK, []
+            self._num_prompt_logprobs += 1
+        self.sampler.register(seq)
+        self.requests[req.request_id] = [seq]
         self.scheduler.add(seq)
         return None
 
-    def abort(self, request_ids: list[str]) -> list[TokenOutput]:
+    def _generator(self, p: SamplingParams, index: int) -> torch.Generator | None:
+        if p.seed is not None:
+            return torch.Generator().manual_seed(choice_seed(p.seed, index))
+        return self.default_generator if p.temperature > 0 else None
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Choices 1..n-1 of PARENT's request, at its first sample: they share its blocks."""
+        children = []
+        for index in range(1, parent.forks_pending + 1):
+            child = Sequence(parent.request_id, list(parent.token_ids), parent.prompt_len, parent.params,
+                             self._generator(parent.params, index), index=index)
+            self.blocks.fork(parent, child)
+            self.sampler.register(child, like=parent)
+            self.scheduler.add_running(child)
+            children.append(child)
+        parent.forks_pending = 0
+        self.requests[parent.request_id].extend(children)
+        return children
+
+    def _drop(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        self.sampler.release(seq)
+        if seq.prompt_logprobs is not None:
+            seq.prompt_logprobs = None
+            self._num_prompt_logprobs -= 1
+        group = self.requests.get(seq.request_id)
+        if group is not None:
+            group.remove(seq)
+            if not group:
+                del self.requests[seq.request_id]
+
+    def abort(self, request_ids: list[str], index: int | None = None) -> list[TokenOutput]:
+        """Abort every choice of REQUEST_IDS; with INDEX only that choice, silently (the API process ended
+        it: a stop string)."""
         out = []
         for rid in request_ids:
-            seq = self.seqs.pop(rid, None)
-            if seq is not None:
-                self.scheduler.remove(seq)
-                out.append(TokenOutput(rid, seq.token_ids[seq.prompt_len + seq.num_sent:], "abort"))
+            for seq in list(self.requests.get(rid, ())):
+                if index is not None:
+                    if seq.index == index:
+                        self._drop(seq)
+                    continue
+                self._drop(seq)
+                out.append(TokenOutput(rid, seq.token_ids[seq.prompt_len + seq.num_sent:], "abort", index=seq.index))
         return out
 
     def has_work(self) -> bool:
@@ -183,6 +241,8 @@ class EngineCore:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_blocks_used=self.blocks.num_used, kv_blocks_total=self.blocks.num_blocks,
             num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=self.blocks.cache_queries, prefix_cache_hits=self.blocks.cache_hits,
+            prompt_tokens_computed=self.prompt_tokens_computed,
         )
 
     # --- the step -------------------------------------------------------------------------
@@ -196,25 +256,75 @@ class EngineCore:
             return "length"
         return None
 
+    @staticmethod
+    def _prompt_positions(seq: Sequence, n: int) -> range:
+        """Prompt tokens j (1..P-1) whose logprob this step's chunk of SEQ yields (from the logits at j-1)
+        and that it has not collected yet (a recomputation after preemption yields none)."""
+        if seq.prompt_logprobs is None:
+            return range(0)
+        start = seq.num_computed_tokens
+        return range(max(start + 1, len(seq.prompt_logprobs) + 1), min(start + n, seq.prompt_len - 1) + 1)
+
+    @torch.inference_mode()
     def step(self) -> list[TokenOutput]:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        copies = self.blocks.take_copies()
+        if copies:
+            self.runner.copy_blocks(copies)
         # a sequence samples once all its tokens are computed (end of prefill, or a decode)
         sampling = [seq.num_computed_tokens + n == seq.num_tokens for seq, n in batch]
-        logits = self.runner.forward(batch, sampling)
+        wanted = None
+        if self._num_prompt_logprobs:
+            wanted = [self._prompt_positions(seq, n) for seq, n in batch]
+        logits = self.runner.forward(batch, sampling, [bool(w) for w in wanted] if wanted else None)
+        if wanted:
+            self._collect_prompt_logprobs(batch, wanted, logits, sum(sampling))
         for seq, n in batch:
+            self.prompt_tokens_computed += max(0, min(seq.num_computed_tokens + n, seq.prompt_len)
+                                               - seq.num_computed_tokens)
             seq.num_computed_tokens += n
+            self.blocks.cache_full_blocks(seq)
         sampled = [seq for (seq, _), s in zip(batch, sampling) if s]
+        if not sampled:
+            return []
+        logits = logits[:len(sampled)]
+        if any(seq.forks_pending for seq in sampled):
+            rows, expanded = [], []
+            for i, seq in enumerate(sampled):
+                group = [seq, *self._fork(seq)] if seq.forks_pending else [seq]
+                rows += [i] * len(group)
+                expanded += group
+            logits = logits[torch.tensor(rows, device=logits.device)]
+            sampled = expanded
+        tokens, logprobs = self.sampler.sample(logits, sampled)
         outputs = []
-        if logits is not None:
-            for seq, token in zip(sampled, sample(logits, sampled)):
-                seq.token_ids.append(token)
-                seq.finish_reason = self._finish_reason(seq, token)
-                new = seq.token_ids[seq.prompt_len + seq.num_sent:]
-                seq.num_sent += len(new)
-                outputs.append(TokenOutput(seq.request_id, new, seq.finish_reason))
-                if seq.finished:
-                    self.scheduler.remove(seq)
-                    del self.seqs[seq.request_id]
+        for i, (seq, token) in enumerate(zip(sampled, tokens)):
+            seq.token_ids.append(token)
+            seq.finish_reason = self._finish_reason(seq, token)
+            new = seq.token_ids[seq.prompt_len + seq.num_sent:]
+            seq.num_sent += len(new)
+            out = TokenOutput(seq.request_id, new, seq.finish_reason, index=seq.index)
+            if logprobs is not None and logprobs[i] is not None:
+                out.logprobs = [logprobs[i]]
+            if seq.prompt_logprobs is not None:  # complete now: sent once, with the first token
+                out.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
+                self._num_prompt_logprobs -= 1
+            outputs.append(out)
+            if seq.finished:
+                self._drop(seq)
         return outputs
+
+    def _collect_prompt_logprobs(self, batch: list[tuple[Sequence, int]], wanted: list[range],
+                                 logits: torch.Tensor, offset: int) -> None:
+        """Prompt logprobs from the rows after the first OFFSET (the sampling rows) of LOGITS."""
+        for (seq, n), positions in zip(batch, wanted, strict=True):
+            if not positions:
+                continue
+            start = seq.num_computed_tokens
+            chunk = logits[offset:offset + n]  # logits at positions start .. start+n-1
+            rows = torch.tensor([j - 1 - start for j in positions], device=chunk.device)
+            seq.prompt_logprobs += prompt_logprobs(chunk[rows], [seq.token_ids[j] for j in positions],
+                                                   seq.params.prompt_logprobs)
+            offset += n

@@ -71,11 +71,38 @@ class ModelRunner:
         return torch.tensor(ids, dtype=torch.long, device=dev), positions.to(dev), meta, last
 
     @torch.inference_mode()
-    def forward(self, batch: list[tuple[Sequence, int]], want_logits: list[bool]) -> torch.Tensor | None:
-        """Run one step; return float32 logits [N, V] for the sequences whose want_logits is True."""
+    def forward(self, batch: list[tuple[Sequence, int]], want_logits: list[bool],
+                all_logits: list[bool] | None = None) -> torch.Tensor | None:
+        """Run one step; return float32 logits [N, V] for the sequences whose want_logits is True, then,
+        for each sequence whose all_logits is True, the logits at every one of its new tokens ([n_i, V]
+        each, in batch order; prompt logprobs)."""
         input_ids, positions, meta, last = self._metadata(batch)
         hidden = self.model(input_ids, positions, meta)
         rows = [i for i, w in enumerate(want_logits) if w]
-        if not rows:
+        extra = _all_positions(batch, all_logits) if all_logits else []
+        if not rows and not extra:
             return None
-        return self.model.compute_logits(hidden[last[rows]])
+        index = last[rows]
+        if extra:
+            index = torch.cat([index, torch.tensor(extra, dtype=torch.long, device=self.device)])
+        return self.model.compute_logits(hidden[index])
+
+    @torch.inference_mode()
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: the K/V of block src into block dst, in every layer, for each (src, dst)."""
+        bs = self.block_size
+        offsets = torch.arange(bs)
+        src = (torch.tensor([s for s, _ in pairs])[:, None] * bs + offsets).flatten().to(self.device)
+        dst = (torch.tensor([d for _, d in pairs])[:, None] * bs + offsets).flatten().to(self.device)
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]  # kv_cache: [layers, 2, slots, KVH, D]
+
+
+def _all_positions(batch: list[tuple[Sequence, int]], all_logits: list[bool]) -> list[int]:
+    """Flat token indices of every new token of the batch entries flagged in ALL_LOGITS."""
+    out: list[int] = []
+    flat = 0
+    for (_, n), wanted in zip(batch, all_logits, strict=True):
+        if wanted:
+            out.extend(range(flat, flat + n))
+        flat += n
+    return out

@@ -4,6 +4,8 @@ Every step has a token budget. Running sequences go first (a decode is 1 token; 
 prefill continues); waiting sequences join while budget, sequence slots and KV blocks allow. When a
 running sequence needs a block and none is free, the most recently admitted running sequence is
 preempted: its blocks are freed and it is recomputed later (it keeps its generated tokens).
+A waiting sequence starts from its longest cached prefix (BlockManager.lookup) when prefix caching is
+on; a request of n choices takes n sequence slots from admission (its choices are forked later).
 """
 
 from __future__ import annotations
@@ -43,6 +45,15 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def add_running(self, seq: Sequence) -> None:
+        """A choice forked from a running sequence (its slot was reserved when the request was admitted)."""
+        self.running.append(seq)
+
+    @staticmethod
+    def _chunk(seq: Sequence, start: int, budget: int) -> int:
+        n = min(seq.num_tokens - start, budget)
+        return min(n, seq.max_chunk) if seq.max_chunk else n
+
     def schedule(self) -> list[tuple[Sequence, int]]:
         """[(sequence, number of new tokens to compute this step)], running ones first."""
         budget = self.max_num_batched_tokens
@@ -50,7 +61,7 @@ class Scheduler:
         for seq in list(self.running):
             if seq not in self.running:  # preempted below by an earlier sequence
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._chunk(seq, seq.num_computed_tokens, budget)
             if n <= 0:
                 continue
             while not self.blocks.can_allocate(seq, seq.num_computed_tokens + n):
@@ -63,14 +74,19 @@ class Scheduler:
             self.blocks.allocate(seq, seq.num_computed_tokens + n)
             scheduled.append((seq, n))
             budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        slots = sum(s.num_slots for s in self.running)
+        while self.waiting and budget > 0 and slots + self.waiting[0].num_slots <= self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.blocks.can_allocate(seq, seq.num_computed_tokens + n):
+            hits = self.blocks.lookup(seq)
+            start = len(hits) * self.blocks.block_size
+            n = self._chunk(seq, start, budget)
+            if not self.blocks.can_allocate(seq, start + n, hits):
                 break
             self.waiting.popleft()
-            self.blocks.allocate(seq, seq.num_computed_tokens + n)
+            self.blocks.count_query(seq, hits)
+            self.blocks.allocate(seq, start + n, hits)
             self.running.append(seq)
             scheduled.append((seq, n))
             budget -= n
+            slots += seq.num_slots
         return scheduled

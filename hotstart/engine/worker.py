@@ -101,7 +101,7 @@ def run_engine(cfg: EngineConfig, addresses: EngineAddresses, rank: int = 0, wor
                     if err is not None:
                         send(StepOutputs([err], core.stats()))
                 elif isinstance(msg, AbortRequest):
-                    outs = core.abort(msg.request_ids)
+                    outs = core.abort(msg.request_ids, msg.index)
                     if outs:
                         send(StepOutputs(outs, core.stats()))
                 elif isinstance(msg, Shutdown):
