@@ -48,6 +48,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_commands(sub)
 
+    z = sub.add_parser("zygote", help="a warm process (torch imported) that outlives servers and forks their engines",
+                       description="Run this user's zygote: `hotstart serve` then forks its engine from it "
+                                   "instead of importing torch again (see README: when to run one).")
+    zsub = z.add_subparsers(dest="zygote_command", metavar="ACTION", required=True)
+    zs = zsub.add_parser("start", help="start it (in the background) and wait until it answers")
+    zs.add_argument("--keep", nargs="+", action="extend", default=[], metavar="MODEL",
+                    help="keep these models' files resident (mlock'ed, within half of MemAvailable)")
+    zs.add_argument("--foreground", action="store_true", help="run it in this process (for a service manager)")
+    zsub.add_parser("stop", help="stop it and every engine it forked (their servers fall back to a local forkserver)")
+    zsub.add_parser("status", help="pid, age, CPU, memory and kept models (exit code 3: none running)")
+
     t = sub.add_parser("timeline", help="draw a startup trace (from --startup-trace or GET /startup) as a PNG")
     t.add_argument("trace", help="the JSON file")
     t.add_argument("-o", "--output", default="startup.png", help="PNG to write")
@@ -94,13 +105,14 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "serve":
-            # t=0: the forkserver starts importing torch before this process imports anything more.
+            # t=0: a matching zygote is used (ms), or the forkserver starts importing torch before this
+            # process imports anything more.
             from hotstart.forkserver.client import EngineLauncher  # noqa: PLC0415
             from hotstart.procs import exit_on_sigterm  # noqa: PLC0415
 
             exit_on_sigterm()
             serve_cfg = ServeConfig.from_args(args)
-            launcher = EngineLauncher(use_forkserver=serve_cfg.prespawn)
+            launcher = EngineLauncher(use_forkserver=serve_cfg.prespawn, zygote=serve_cfg.zygote)
             try:
                 launcher.start()
                 from hotstart.server.launch import run_serve  # noqa: PLC0415
@@ -116,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
             from hotstart.bench.args import run_bench_command  # noqa: PLC0415
 
             return run_bench_command(args)
+        if args.command == "zygote":
+            from hotstart.forkserver.control import run_zygote_command  # noqa: PLC0415
+
+            return run_zygote_command(args)
         if args.command == "timeline":
             from hotstart.boot.timeline_png import render_png  # noqa: PLC0415
 

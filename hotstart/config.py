@@ -252,6 +252,9 @@ class ServeConfig:
     prefetch_block_mb: int | None = option(None, "prefetch read size in MiB", type=non_negative)
     restart: bool = option(True, "do not replace a dead engine or forkserver", flag="--no-restart",
                            action="store_false")
+    zygote: str = option("auto", "auto: fork the engine from this user's running `hotstart zygote` (torch "
+                                 "imported already) if one matches this hotstart, python and torch; off: "
+                                 "always start a local forkserver", choices=["auto", "off"])
     startup_trace: str | None = option(None, "write the startup timeline (Chrome trace JSON)", metavar="FILE")
     log_level: str = option("info", "log verbosity", choices=["debug", "info", "warning", "error"])
     generation_config: str = option("auto", "auto: the model folder's generation_config.json sampling fields "
@@ -262,10 +265,10 @@ class ServeConfig:
     @classmethod
     def from_args(cls, args) -> ServeConfig:
         """The serve flags of ARGS. HOTSTART_SERIAL=1 (the benchmarks' serial baseline) turns every
-        fast-start mechanism off: no forkserver, no prefetch."""
+        fast-start mechanism off: no forkserver, no zygote, no prefetch."""
         cfg = cls(**values(cls, args))
         if serial_baseline():
-            cfg = replace(cfg, prespawn=False, prefetch=False)
+            cfg = replace(cfg, prespawn=False, prefetch=False, zygote="off")
         return cfg
 
 

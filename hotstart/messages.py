@@ -2,7 +2,8 @@
 
 Two conversations:
   API process <-> engine (zmq PUSH/PULL over ipc):  ToEngine / FromEngine
-  API process <-> forkserver (a stream socket, framed by hotstart.framing):  ToForkserver / FromForkserver
+  API process <-> forkserver or zygote (a stream socket, framed by hotstart.framing):  ToForkserver /
+    FromForkserver
 Times are time.time() seconds everywhere; a span always has `start` and `end`.
 """
 
@@ -172,6 +173,13 @@ class ServerInfo(msgspec.Struct, tag="info"):
     hotstart_version: str
     python: str  # sys.executable
     torch_version: str
+    # Filled by a zygote (hotstart.forkserver.zygote); what a client compares before using it.
+    uid: int = -1
+    started: float = 0.0  # time.time() when the zygote started
+    hotstart_path: str = ""  # the hotstart package folder it imported
+    torch_path: str = ""  # the torch package folder it imported
+    import_env: dict[str, str] = {}  # environment variables read at import time (runtime.IMPORT_ENV)
+    stale: str = ""  # non-empty: its hotstart or torch files changed on disk since it imported them (which)
 
 
 class EngineSpawned(msgspec.Struct, tag="spawned"):
@@ -194,8 +202,57 @@ class ForkserverExited(msgspec.Struct, tag="server-exited"):
     code: int | None = None
 
 
-ToForkserver = SpawnEngine | StopEngine | StopServer
-FromForkserver = ServerInfo | EngineSpawned | EngineExited
+# ---- API process / `hotstart zygote` <-> zygote (the same framing, over its Unix socket) ----------
+
+class EngineContext(msgspec.Struct, tag="context"):
+    """A zygote client's second message (after ServerInfo arrived), sent with three descriptors
+    (SCM_RIGHTS): a lifeline (the read end of a pipe whose write end only the API process holds),
+    stdout and stderr. The engines of this connection run with ENV in CWD, write to those streams and
+    exit when the lifeline reads EOF, i.e. when the API process is gone, whatever the zygote does."""
+
+    env: dict[str, str]
+    cwd: str
+
+
+class SpawnRefused(msgspec.Struct, tag="spawn-refused"):
+    """The zygote did not fork GENERATION (its config failed validation, or no EngineContext came first)."""
+
+    generation: int
+    reason: str
+
+
+class ZygoteQuery(msgspec.Struct, tag="zygote-query"):
+    """`hotstart zygote status|stop`: answered with ZygoteStatus; STOP: then stop every engine and exit."""
+
+    stop: bool = False
+
+
+class KeptModel(msgspec.Struct):
+    """A model whose weight files (and sidecars) `zygote start --keep` maps and locks in memory."""
+
+    path: str
+    files: int
+    bytes_total: int
+    bytes_resident: int  # in the page cache now (mincore)
+    bytes_locked: int  # mlock'ed by the zygote
+    note: str = ""  # why not (all) locked
+
+
+class ZygoteStatus(msgspec.Struct, tag="zygote-status"):
+    pid: int
+    started: float
+    rss_bytes: int
+    rss_anon_bytes: int
+    rss_file_bytes: int
+    cpu_seconds: float  # the zygote's own user + system time
+    clients: int  # API processes connected (the querying connection not counted)
+    engines: int
+    kept: list[KeptModel] = []
+    stale: str = ""
+
+
+ToForkserver = SpawnEngine | StopEngine | StopServer | EngineContext | ZygoteQuery
+FromForkserver = ServerInfo | EngineSpawned | EngineExited | SpawnRefused | ZygoteStatus
 
 encoder = msgspec.msgpack.Encoder()
 to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)

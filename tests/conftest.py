@@ -9,6 +9,25 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_runtime_dir():
+    """Every server of the suite looks for a zygote in an empty folder of its own, so a zygote the user
+    runs never takes part (tests/test_zygote.py starts its own, each in a folder of its own)."""
+    import os
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="hotstart-test-run-")
+    old = os.environ.get("HOTSTART_RUNTIME_DIR")
+    os.environ["HOTSTART_RUNTIME_DIR"] = d
+    yield d
+    if old is None:
+        os.environ.pop("HOTSTART_RUNTIME_DIR", None)
+    else:
+        os.environ["HOTSTART_RUNTIME_DIR"] = old
+    shutil.rmtree(d, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     from hotstart.boot.default_model import ensure_default_model

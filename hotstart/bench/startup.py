@@ -31,7 +31,8 @@ from hotstart.bench.process import RunFailed, Server, free_port, tail
 from hotstart.errors import HotstartError
 
 VARIANTS = {"no-prefetch": (["--no-prefetch"], {}), "no-prespawn": (["--no-prespawn"], {}),
-            "serial": ([], {"HOTSTART_SERIAL": "1"})}
+            "serial": ([], {"HOTSTART_SERIAL": "1"}),
+            "zygote": (["--zygote", "auto"], {})}  # with one zygote started before the runs (bench_zygote)
 READ_BLOCK = 16 << 20
 READ_THREADS = 4
 
@@ -285,8 +286,11 @@ def run_startup_bench(args: argparse.Namespace) -> int:
     # must still stop the current server and keep the results.
     old = {s: signal.signal(s, h) for s, h in ((signal.SIGTERM, _on_sigterm),
                                                (signal.SIGINT, signal.default_int_handler))}
+    from hotstart.forkserver.control import bench_zygote  # noqa: PLC0415
+
     try:
-        bench.loop()
+        with bench_zygote(targets):  # private runtime folders; the zygote variant's zygote, started once
+            bench.loop()
     except KeyboardInterrupt:
         bench.interrupted = True
         print("hotstart bench startup: interrupted; keeping the finished runs", file=sys.stderr)

@@ -8,6 +8,11 @@ Either way the caller sees the same typed events (hotstart.messages): ServerInfo
 EngineExited, ForkserverExited. A crashed engine is replaced by a fork from the still-warm server in
 milliseconds; a dead forkserver is replaced by a fresh one (restart_server).
 
+With --zygote auto (the default) start() first looks for this user's zygote (hotstart.forkserver.runtime:
+a stat, or a connect() and one read within a few ms); if one matches, its connection replaces the
+forkserver's socketpair (same protocol, same events) and no forkserver is started. A zygote that dies
+or refuses a spawn reads as ForkserverExited; restart_server() then starts a local forkserver.
+
 Only stdlib modules are imported at module level: the forkserver's launch is the t=0 step of every
 start, and nothing may come before it.
 """
@@ -36,8 +41,14 @@ STOP_GRACE_S = 3.0
 class EngineLauncher:
     """Owns the forkserver (or the directly spawned engine) and reports process events."""
 
-    def __init__(self, use_forkserver: bool = True):
+    def __init__(self, use_forkserver: bool = True, zygote: str = "off"):
         self.use_forkserver = use_forkserver and hasattr(os, "fork")
+        self.zygote = zygote if self.use_forkserver else "off"  # "auto": use a matching zygote if one runs
+        self.zygote_pid: int | None = None  # the zygote in use (None: a local forkserver, or none)
+        self.zygote_lost = False  # the zygote in use died or refused: its replacement is local
+        self.spans: list = []  # Spans for the startup timeline (zygote used or not, and why)
+        self._lifeline: int | None = None  # write end of the pipe whose EOF ends the zygote's engines
+        self.last_lost = "forkserver"  # what the latest ForkserverExited was: "forkserver" or "zygote"
         # Private folder for the engine's zmq ipc sockets: unique per server, so two run side by side.
         self.ipc_dir = tempfile.mkdtemp(prefix="hotstart-ipc-")
         self.generation = 0  # bumped per engine: a replacement never sees its predecessor's sockets
@@ -56,8 +67,10 @@ class EngineLauncher:
         return self.engine_pids.get(0)
 
     def start(self) -> None:
-        """Start the forkserver (no-op without pre-spawn)."""
+        """Use a matching zygote, else start the forkserver (no-op without pre-spawn)."""
         if not self.use_forkserver:
+            return
+        if self.zygote == "auto" and not self.zygote_lost and self._use_zygote():
             return
         ours, theirs = socket.socketpair()
         self.started_at = time.time()
@@ -68,6 +81,26 @@ class EngineLauncher:
         theirs.close()
         ours.setblocking(False)
         self._sock, self._reader = ours, None
+
+    def _use_zygote(self) -> bool:
+        from hotstart.forkserver.runtime import probe, send_context  # noqa: PLC0415 - stdlib only
+
+        found = probe()
+        if found.sock is not None:
+            try:
+                self._lifeline = send_context(found.sock)
+            except OSError as e:
+                found.sock.close()
+                found.sock, found.note = None, f"it did not take the engine context ({e.strerror or e})"
+        from hotstart.messages import Span  # noqa: PLC0415 - loaded by the probe, or cheap next to a launch
+
+        if found.sock is None:
+            self.spans.append(Span("zygote not used", found.start, found.end, "api", found.note))
+            return False
+        self.spans.append(Span("zygote used", found.start, time.time(), "api", found.note))
+        found.sock.setblocking(False)
+        self._sock, self._reader, self.zygote_pid = found.sock, None, found.info.pid
+        return True
 
     def restart_server(self) -> None:
         """Replace a dead forkserver with a fresh one (it imports torch again: seconds, not ms)."""
@@ -115,7 +148,9 @@ class EngineLauncher:
         """Non-blocking: the events that arrived since the last call, typed (see the module docstring).
         Events of earlier engine generations are dropped here."""
         from hotstart.framing import FrameError, FrameReader  # noqa: PLC0415
-        from hotstart.messages import EngineExited, EngineSpawned, ForkserverExited, FromForkserver  # noqa: PLC0415
+        from hotstart.messages import (  # noqa: PLC0415
+            EngineExited, EngineSpawned, ForkserverExited, FromForkserver, SpawnRefused,
+        )
 
         events, self._pending = self._pending, []
         if self._sock is not None:
@@ -133,7 +168,14 @@ class EngineLauncher:
                 except FrameError as e:
                     print(f"hotstart: forkserver sent a bad frame ({e}); treating it as dead", file=sys.stderr)
                     chunk = b""
+                refused = [ev for ev in events if isinstance(ev, SpawnRefused)]
+                if refused:  # a zygote that refuses our config is of no use: go local
+                    print(f"hotstart: the zygote refused the engine ({refused[0].reason}); starting a local "
+                          "forkserver", file=sys.stderr)
+                    events = [ev for ev in events if not isinstance(ev, SpawnRefused)]
+                    chunk = b""
                 if not chunk:
+                    self.last_lost = "zygote" if self.zygote_pid is not None else "forkserver"
                     events.append(ForkserverExited(self.server.poll() if self.server is not None else None))
                     self._close_server(grace=0.5)
                     break
@@ -150,6 +192,18 @@ class EngineLauncher:
                 self.engine_pids.pop(ev.rank, None)
             current.append(ev)
         return current
+
+    def abandon_zygote(self, reason: str) -> None:
+        """Stop using the zygote (it did not fork in time): the next poll_events reports
+        ForkserverExited, and restart_server() starts a local forkserver."""
+        if self.zygote_pid is None:
+            return
+        from hotstart.messages import ForkserverExited  # noqa: PLC0415
+
+        print(f"hotstart: the zygote {reason}; starting a local forkserver", file=sys.stderr)
+        self.last_lost = "zygote"
+        self._close_server(grace=0)
+        self._pending.append(ForkserverExited(None))
 
     def kill_engine(self) -> None:
         """SIGKILL every rank of the current engine (its exit events follow as usual)."""
@@ -171,6 +225,11 @@ class EngineLauncher:
                 pass
 
     def _close_server(self, grace: float) -> None:
+        if self._lifeline is not None:
+            os.close(self._lifeline)  # EOF: every engine the zygote forked for us exits
+            self._lifeline = None
+        if self.zygote_pid is not None:
+            self.zygote_pid, self.zygote_lost = None, True
         if self._sock is not None:
             try:
                 self._sock.close()  # EOF: the forkserver terminates its engines and exits
@@ -183,9 +242,21 @@ class EngineLauncher:
 
     def shutdown(self, timeout: float = STOP_GRACE_S) -> None:
         """Stop the forkserver (it stops its engines) or the direct engine; SIGKILL past TIMEOUT.
-        Idempotent. A forkserver still importing torch dies at once (SIGTERM's default action)."""
+        Idempotent. A forkserver still importing torch dies at once (SIGTERM's default action).
+        A zygote's engines are not our children: they are stopped by the zygote and by closing their
+        lifeline, and waited for here by pid."""
+        engines = []
+        if self.zygote_pid is not None:
+            try:
+                self.poll_events()  # EngineSpawned not read yet: learn the pids to wait for
+            except Exception:  # noqa: BLE001 - shutting down: best effort
+                pass
+            engines = list(self.engine_pids.values())
         self.stop_server()
         procs = [p for p in (self.server, self.direct) if p is not None]
+        if self._lifeline is not None:
+            os.close(self._lifeline)
+            self._lifeline = None
         if self._sock is not None:
             try:
                 self._sock.close()
@@ -193,7 +264,8 @@ class EngineLauncher:
                 pass
             self._sock = None
         self.server = self.direct = None
-        if terminate_then_kill(procs, timeout):
+        self.zygote_pid = None
+        if terminate_then_kill(procs + engines, timeout):
             self.kill_engine()  # the forkserver was SIGKILLed before it could stop its engines
         self.engine_pids = {}
         shutil.rmtree(self.ipc_dir, ignore_errors=True)

@@ -5,7 +5,9 @@ Protocol (hotstart.messages, framed by hotstart.framing), per connection:
   client -> server  SpawnEngine (fork WORLD_SIZE ranks), StopEngine (terminate a generation), StopServer
 The server forks only from its single main thread, before any torch op ran, so the children are safe.
 The engines of a connection are terminated when it closes; the server exits with its last connection.
-It dies with the API process (PR_SET_PDEATHSIG), and so do the engines it forks.
+It dies with the API process (PR_SET_PDEATHSIG), and so do the engines it forks. The zygote
+(hotstart.forkserver.zygote) is a ForkServer that outlives its connections; it overrides the hooks
+marked below.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ class _Child:
 class ForkServer:
     """Serves connections (one socketpair from the API process; a zygote serves many)."""
 
+    process = "forkserver"  # the timeline's name for this process
+
     def __init__(self, preload: Span, worker) -> None:
         self.worker = worker  # hotstart.engine.worker, imported by the caller (the preload)
         self.children: dict[int, _Child] = {}
@@ -73,18 +77,20 @@ class ForkServer:
 
     # ---- engines -----------------------------------------------------------------------------
     def _spawn(self, conn: socket.socket, msg) -> None:
+        sys.stdout.flush()  # or the child would write our buffered output a second time
+        sys.stderr.flush()
         for rank in range(msg.world_size):
             start = time.time()
             pid = os.fork()
             if pid == 0:
-                self._child(msg, rank)  # never returns
+                self._child(conn, msg, rank)  # never returns
             self.children[pid] = _Child(conn, msg.generation, rank)
             fork = Span(f"engine forked (rank {rank})" if msg.world_size > 1 else "engine forked",
-                        start, time.time(), "forkserver", f"pid {pid}")
+                        start, time.time(), self.process, f"pid {pid}")
             if not self._send(conn, EngineSpawned(msg.generation, rank, pid, fork)):
                 return
 
-    def _child(self, msg, rank: int) -> None:
+    def _child(self, conn: socket.socket, msg, rank: int) -> None:
         code = 1
         try:
             for c in self.readers:  # the engine holds no connection of the server's
@@ -92,6 +98,7 @@ class ForkServer:
             die_with_parent(signal.SIGKILL)
             for sig in (signal.SIGCHLD, signal.SIGTERM):
                 signal.signal(sig, signal.SIG_DFL)
+            self._child_setup(conn)
             code = self.worker.run_engine(msg.config, msg.addresses, rank, msg.world_size)
         finally:
             sys.stdout.flush()
@@ -122,6 +129,22 @@ class ForkServer:
         elif isinstance(msg, StopServer):
             self.stopping = True
 
+    # ---- hooks (the zygote overrides them) ---------------------------------------------------
+    def _child_setup(self, conn: socket.socket) -> None:
+        """In the forked engine, before it runs: whatever the connection asked for (nothing here)."""
+
+    def _serving(self) -> bool:
+        return bool(self.readers)
+
+    def _wait(self) -> list:
+        return select.select(list(self.readers), [], [], SELECT_S)[0]
+
+    def _on_other(self, fd) -> None:
+        """FD is ready but is no connection (a zygote's listening socket, its signal pipe)."""
+
+    def _recv(self, conn: socket.socket) -> bytes:
+        return conn.recv(1 << 16)
+
     # ---- the loop ----------------------------------------------------------------------------
     def run(self) -> None:
         """Serve until stopped, signalled, or the last connection closes; then stop every engine."""
@@ -130,14 +153,15 @@ class ForkServer:
 
         signal.signal(signal.SIGTERM, on_term)
         try:
-            while not self.stopping and self.readers:
-                ready, _, _ = select.select(list(self.readers), [], [], SELECT_S)
+            while not self.stopping and self._serving():
+                ready = self._wait()
                 self._reap()
                 for conn in ready:
-                    if conn not in self.readers:  # dropped while handling an earlier one
+                    if conn not in self.readers:  # another fd, or dropped while handling an earlier one
+                        self._on_other(conn)
                         continue
                     try:
-                        chunk = conn.recv(1 << 16)
+                        chunk = self._recv(conn)
                     except OSError:
                         chunk = b""
                     if not chunk:

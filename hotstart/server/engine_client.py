@@ -6,6 +6,8 @@ engine dies, every in-flight request fails at once, /health turns 503, and a new
 from the warm forkserver (new socket names, so nothing stale reaches it). When the forkserver itself
 dies (an OOM kill of the process tree), a fresh forkserver is started and the engine with it; the
 socket stays bound and clients see 503 until it is ready. Deaths in a tight loop end the server.
+An engine forked by a zygote reports the same events; a zygote that dies (or does not fork) before the
+first READY is replaced by a local forkserver as if there had been none, whatever --no-restart says.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ log = logging.getLogger("hotstart")
 DIRECT_POLL_S = 0.1  # exit check of a directly spawned engine (no forkserver socket to watch)
 RESTART_WINDOW_S = 60.0
 MAX_RESTARTS_IN_WINDOW = 5  # more deaths than this within the window: give up (a crash loop)
+ZYGOTE_FORK_TIMEOUT_S = 10.0  # a zygote forks in ms; one that has not forked by then is abandoned
 
 
 class EngineDeadError(Exception):
@@ -74,6 +77,14 @@ class EngineClient:
         self._bind()
         self._watch_launcher()
         self._on_launcher_event()
+        if self.launcher.zygote_pid is not None:
+            asyncio.get_running_loop().call_later(ZYGOTE_FORK_TIMEOUT_S, self._check_zygote_forked)
+
+    def _check_zygote_forked(self) -> None:
+        if (self.launcher.zygote_pid is not None and not self.launcher.engine_pids and not self._closing
+                and not self.fatal):
+            self.launcher.abandon_zygote(f"forked no engine within {ZYGOTE_FORK_TIMEOUT_S:.0f} s")
+            self._on_launcher_event()
 
     def _watch_launcher(self) -> None:
         fd = self.launcher.fileno()
@@ -118,12 +129,17 @@ class EngineClient:
                 self._engine_died(f"engine process exited (code {ev.code})", forkserver_dead=False)
             elif isinstance(ev, ForkserverExited):
                 code = "" if ev.code is None else f" (code {ev.code})"
-                self._engine_died(f"forkserver exited{code}", forkserver_dead=True)
+                self._engine_died(f"{self.launcher.last_lost} exited{code}", forkserver_dead=True)
 
     def _engine_died(self, what: str, forkserver_dead: bool) -> None:
         if self.fatal:
             return
         was_ready, self.ready = self.ready, False
+        if (forkserver_dead and self.launcher.last_lost == "zygote" and not was_ready
+                and self._died_at is None):  # still starting: carry on without the zygote
+            log.warning("hotstart: %s during startup; starting a local forkserver", what)
+            self.timeline.mark("zygote lost", "api", what)
+            return self._replace(forkserver_dead=True)
         log.error("hotstart: %s", what)
         self._fail_requests(what)
         now = time.time()
@@ -135,6 +151,10 @@ class EngineClient:
         self._died_at = self._died_at or now
         self.restarts += 1
         self.status = "restarting"
+        self._replace(forkserver_dead)
+
+    def _replace(self, forkserver_dead: bool) -> None:
+        """A new engine generation (and a fresh forkserver if it died), on new sockets."""
         for s in (self._push, self._pull):
             s.close(linger=0)
         if self._reader_task is not None:

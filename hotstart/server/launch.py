@@ -1,7 +1,8 @@
 """`hotstart serve`: the startup pipeline of the API process (torch-free).
 
 Order matters; each step is on the timeline:
-  t=0  start the warm forkserver (it imports torch + the engine in another process)
+  t=0  use this user's zygote if a matching one answers within ms ("zygote used" / "zygote not used"),
+       else start the warm forkserver (it imports torch + the engine in another process)
        resolve the model (ms), start the weight prefetcher (daemon threads doing reads only),
        send the engine its config (the forkserver forks it as soon as its preload is done)
   then import the web stack, load the tokenizer, bind the socket, serve: /health is 503 until the
@@ -73,6 +74,8 @@ def run_serve(args: argparse.Namespace, cfg: ServeConfig, t0: float, launcher: E
     logging.basicConfig(level=getattr(logging, cfg.log_level.upper()), format="%(message)s", stream=sys.stderr)
     timeline = Timeline(t0)
     timeline.on_event = lambda span: log.info(timeline.log_line(span))  # one log line per phase
+    for span in launcher.spans:  # the zygote: used, or why not
+        timeline.record(span)
     if launcher.started_at is not None:
         timeline.add("forkserver launched", t0, launcher.started_at)
     prefetcher = cursor = None
