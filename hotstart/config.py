@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from hotstart.errors import ModelConfigError
-from hotstart.flags import at_least_one, fraction, name, non_negative, option, port, values
+from hotstart.flags import at_least_one, bucket_list, fraction, name, non_negative, option, port, values
 
 # architecture name in config.json -> (family, attention bias default, q/k RMSNorm)
 ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
@@ -222,10 +222,24 @@ class EngineConfig:
     gpu_memory_utilization: float = option(0.9, "fraction of GPU memory the engine may use (weights + KV cache)",
                                            type=fraction)
     seed: int = option(0, "seed of the sampler's default generator", type=int)
+    compile: str = option("auto", "the fast path, built behind READY: auto = packed oneDNN weights + compiled "
+                                  "layer graphs where a C++ compiler exists (CPU); eager-only = packed weights, "
+                                  "no compiling; off = the plain eager path only",
+                          choices=["auto", "eager-only", "off"], env="HOTSTART_COMPILE")
+    compile_buckets: str = option("1,2,4,8,16,32,64", "token counts the compiled graphs are built for "
+                                                      "(a step of T tokens runs on the smallest bucket >= T)",
+                                  type=bucket_list)
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of prompt prefixes computed before "
                                                "(content-hashed full blocks, LRU eviction)", action="boolean")
     cursor_path: str | None = None  # LoadCursor file shared with the API process's prefetcher (None: none)
     t0: float = 0.0  # launch time (time.time()) for the startup timeline
+
+    def compile_bucket_sizes(self) -> tuple[int, ...]:
+        """The buckets worth building: none above the most tokens a decode step can have."""
+        sizes = sorted({int(b) for b in self.compile_buckets.split(",") if b.strip()})
+        fit = [b for b in sizes if b <= self.max_num_seqs]
+        bigger = [b for b in sizes if b > self.max_num_seqs]
+        return tuple(fit + bigger[:1])
 
     @classmethod
     def from_args(cls, args, exclude: tuple[str, ...] = (), **fields: Any) -> EngineConfig:

@@ -46,6 +46,17 @@ def fraction(text: str) -> float:
 fraction.metavar = "F"
 
 
+def bucket_list(text: str) -> str:
+    """Comma-separated positive integers, e.g. 1,2,4,8 (kept as text: configs travel as plain data)."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return ",".join(parts)
+
+
+bucket_list.metavar = "N,N,..."
+
+
 def name(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("expected a non-empty name")
@@ -89,7 +100,9 @@ def add_options(parser: argparse.ArgumentParser | Any, cls, exclude: tuple[str, 
         else:
             metavar = o["metavar"] or (getattr(o["type"], "metavar", None) if not o["choices"] else None)
             kwargs.update(default=default, type=o["type"], choices=o["choices"], metavar=metavar)
-            if default is not None and not o["env"]:  # an env default may be a secret: never print it
+            if o["env"]:
+                kwargs["help"] = f"{o['help']} (environment: {o['env']})"
+            elif default is not None:  # an env default may be a secret: never print it
                 kwargs["help"] = f"{o['help']} (default: {default})"
         parser.add_argument(*flags, **kwargs)
 

@@ -131,8 +131,26 @@ class EngineFailed(msgspec.Struct, tag="failed"):
     message: str
 
 
+class BucketState(msgspec.Struct, array_like=True):
+    """One token bucket of the compiled path."""
+
+    tokens: int  # steps of up to this many tokens can run on it
+    state: str  # "compiling" (queued or under way) | "ready" | "failed: ..."
+    steps: int = 0  # steps it ran
+
+
+class FastPathStatus(msgspec.Struct, tag="fastpath"):
+    """What is built behind READY to serve faster (engine/fastpath.py); sent when it changes."""
+
+    mode: str  # the --compile setting: auto | eager-only | off
+    packing: str  # "off: why" | "packing" | "packed: N MB"
+    compile: str  # "off: why" | "compiling" | "done" | "failed: why"
+    buckets: list[BucketState] = []
+    eager_steps: int = 0  # steps that ran the eager forward
+
+
 ToEngine = EngineRequest | AbortRequest | Shutdown
-FromEngine = StepOutputs | Span | EngineReady | EngineFailed
+FromEngine = StepOutputs | Span | EngineReady | EngineFailed | FastPathStatus
 
 
 # ---- API process <-> forkserver -----------------------------------------------------------------

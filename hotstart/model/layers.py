@@ -1,30 +1,19 @@
 """Blocks shared by every model family: RMSNorm, rotary embedding, paged attention, gated MLP.
 
 Tokens of all sequences in a step are flattened into one batch dimension T (varlen, like vLLM):
-linear layers see [T, hidden]; only attention regroups them per sequence, through AttnMetadata.
+linear layers see [T, hidden]; only attention regroups them per sequence (model/attention.py).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hotstart.config import ModelConfig, RopeConfig
-
-
-@dataclass
-class AttnMetadata:
-    """Where each token's K/V goes in the paged cache, and which keys each query sees (built once per step)."""
-
-    slot_mapping: torch.Tensor  # [T] long: flat KV-cache slot of each new token
-    q_index: torch.Tensor  # [B, Qmax] long: flat token index of each padded query (0 for padding)
-    q_valid: torch.Tensor  # [B, Qmax] bool
-    kv_index: torch.Tensor  # [B, Lmax] long: flat KV-cache slot of each key position
-    mask: torch.Tensor  # [B, 1, Qmax, Lmax] bool: True where the query may attend
+from hotstart.model import packed
+from hotstart.model.attention import AttnMetadata, paged_attention
 
 
 class Linear(nn.Module):
@@ -35,8 +24,11 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.packed: torch.Tensor | None = None  # oneDNN layout of weight, set between steps (model/packed.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return packed.linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -78,10 +70,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32, like the reference implementation, then scale in the model dtype.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -124,15 +113,18 @@ class RotaryEmbedding(nn.Module):
         half = x.shape[-1] // 2
         return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # q: [T, H, D], k: [T, KVH, D]; positions: [T]
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [T] -> cos, sin: [T, 1, D] (once per step, shared by every layer)
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @classmethod
+    def apply(cls, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [T, heads, D]
+        return x * cos + cls._rotate_half(x) * sin
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, fused: bool):
+    def __init__(self, cfg: ModelConfig, fused: bool):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
@@ -148,13 +140,12 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias and cfg.family != "qwen2")
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.rotary = rotary
         self.scale = self.head_dim**-0.5
         # Set by the engine: [num_slots, KVH, D] each (paged: slot = block * block_size + offset).
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         t = x.shape[0]
         if self.fused:
             q, k, v = self.qkv_proj.forward_split(x)
@@ -165,15 +156,14 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = RotaryEmbedding.apply(q, meta.cos, meta.sin), RotaryEmbedding.apply(k, meta.cos, meta.sin)
+        return self.o_proj(self.attend(q, k, v, meta).reshape(t, self.q_size))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+        """Write this step's K/V into the paged cache and attend. q: [T, H, D], k, v: [T, KVH, D] -> [T, H, D]."""
         self.k_cache[meta.slot_mapping] = k
         self.v_cache[meta.slot_mapping] = v
-        qp = q[meta.q_index].transpose(1, 2)  # [B, H, Qmax, D]
-        kp = self.k_cache[meta.kv_index].transpose(1, 2)  # [B, KVH, Lmax, D]
-        vp = self.v_cache[meta.kv_index].transpose(1, 2)
-        out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.mask, scale=self.scale, enable_gqa=True)
-        out = out.transpose(1, 2)[meta.q_valid]  # [T, H, D], tokens back in flat order
-        return self.o_proj(out.reshape(t, self.q_size))
+        return paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
 
 
 class GatedMLP(nn.Module):
@@ -197,13 +187,13 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, fused: bool):
+    def __init__(self, cfg: ModelConfig, fused: bool):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary, fused)
+        self.self_attn = Attention(cfg, fused)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg, fused)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta)
+    def forward(self, x: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), meta)
         return x + self.mlp(self.post_attention_layernorm(x))

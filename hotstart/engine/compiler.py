@@ -1,0 +1,87 @@
+"""The compile worker: AOTInductor-compiles the layer graph (model/graphs.py MidGraph) per token bucket.
+
+`python -m hotstart.engine.compiler JOB_JSON`, started by the engine after READY (engine/fastpath.py).
+It runs at idle CPU priority (SCHED_IDLE: only when the engine leaves a core free) with one thread,
+dies with the engine, and never touches the engine's weights: it compiles against random inputs of the
+right shapes, since weights are graph inputs. Each package is written to the cache folder atomically
+(temp file + rename) and announced as one JSON line on stdout:
+  {"tokens": N, "path": P, "start": T, "end": T}      or      {"tokens": N, "error": "..."}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+
+def package_name(tokens: int) -> str:
+    return f"mid-T{tokens}.pt2"
+
+
+def _say(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _idle_priority() -> None:
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        os.nice(19)
+
+
+def compile_bucket(spec, tokens: int, dtype, folder: Path) -> Path:
+    import torch  # noqa: PLC0415
+    import torch._inductor  # noqa: PLC0415 - only this process ever imports inductor
+
+    from hotstart.model.graphs import MidGraph, example_inputs  # noqa: PLC0415
+
+    with torch.no_grad():
+        program = torch.export.export(MidGraph(spec), example_inputs(spec, tokens, dtype))
+    out = folder / package_name(tokens)
+    tmp = folder / f".{package_name(tokens)}.{os.getpid()}.tmp.pt2"
+    try:
+        torch._inductor.aoti_compile_and_package(program, package_path=str(tmp))
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def main() -> None:
+    from hotstart.procs import die_with_parent  # noqa: PLC0415
+
+    die_with_parent(signal.SIGKILL)
+    _idle_priority()
+    job = json.loads(sys.argv[1])
+    folder = Path(job["folder"])
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(folder.parent / "inductor"))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    fail = os.environ.get("HOTSTART_TEST_COMPILE_FAIL")  # tests: a compiler that fails, for real
+    if fail:
+        os.environ["CXX"] = fail
+    import torch  # noqa: PLC0415
+
+    from hotstart.model.graphs import LayerSpec  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    spec = LayerSpec(**job["spec"])
+    dtype = getattr(torch, job["dtype"])
+    for tokens in job["buckets"]:
+        start = time.time()
+        try:
+            path = compile_bucket(spec, tokens, dtype, folder)
+            _say({"tokens": tokens, "path": str(path), "start": start, "end": time.time()})
+        except Exception as e:  # noqa: BLE001 - reported to the engine, which keeps serving eagerly
+            last = traceback.format_exception_only(type(e), e)[-1].strip().splitlines()[0][:300]
+            _say({"tokens": tokens, "error": last, "start": start, "end": time.time()})
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""Paged attention over the flat token batch of one step (varlen, like vLLM).
+
+The tokens of all sequences in a step are flattened into one dimension T. A sequence with one new
+token (a decode, or a one-token prompt) takes the decode path: its keys are gathered block by block
+and attended with two small batched matmuls (measured here at B=16, context 128, one thread: 0.43 ms
+per layer against 1.6 ms for SDPA's flash kernel with a mask plus a per-slot gather). Sequences with
+several new tokens (prefill chunks) take SDPA with a causal mask over their padded queries.
+Metadata is built once per step (engine/model_runner.py) and shared by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class DecodeGroup:
+    """Sequences with one new token each."""
+
+    tokens: torch.Tensor | None  # [Bd] long: their flat token indices (None: all T tokens, in order)
+    block_tables: torch.Tensor  # [Bd, nb] long: KV blocks of each (0 = the null block)
+    bias: torch.Tensor  # [Bd, 1, 1, nb * bs] float32: 0 where the key is in context, -inf past it
+
+
+@dataclass
+class PrefillGroup:
+    """Sequences with several new tokens, queries padded to the longest."""
+
+    tokens: torch.Tensor | None  # [Tp] long: their flat token indices (None: all T tokens, in order)
+    q_index: torch.Tensor  # [Bp, Qmax] long: index into the group's tokens of each padded query
+    q_valid: torch.Tensor  # [Bp, Qmax] bool
+    block_tables: torch.Tensor  # [Bp, nb] long
+    mask: torch.Tensor  # [Bp, 1, Qmax, nb * bs] bool: True where the query may attend
+
+
+@dataclass
+class AttnMetadata:
+    """Where each new token's K/V goes, and what each query sees; built once per step."""
+
+    slot_mapping: torch.Tensor  # [T] long: flat KV-cache slot of each new token
+    block_size: int
+    decode: DecodeGroup | None
+    prefill: PrefillGroup | None
+    cos: torch.Tensor | None = None  # [T, 1, D] rotary tables at the tokens' positions (set by the model)
+    sin: torch.Tensor | None = None
+
+
+def _gather(cache: torch.Tensor, tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    # cache: [slots, KVH, D] -> the blocks of each sequence, [B, nb * bs, KVH, D]
+    b, nb = tables.shape
+    blocks = cache.view(-1, block_size, *cache.shape[1:])[tables]  # [B, nb, bs, KVH, D]
+    return blocks.view(b, nb * block_size, *cache.shape[1:])
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup,
+                     block_size: int, scale: float) -> torch.Tensor:
+    # q: [Bd, H, D] -> [Bd, H, D]; grouped-query: H = KVH * G, query heads of one KV head adjacent
+    bd, h, d = q.shape
+    kvh = k_cache.shape[1]
+    k = _gather(k_cache, g.block_tables, block_size)  # [Bd, L, KVH, D]
+    v = _gather(v_cache, g.block_tables, block_size)
+    scores = torch.einsum("bkgd,blkd->bkgl", q.view(bd, kvh, h // kvh, d), k).float() * scale + g.bias
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)  # [Bd, KVH, G, L]
+    return torch.einsum("bkgl,blkd->bkgd", probs, v).reshape(bd, h, d)
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: PrefillGroup,
+                      block_size: int, scale: float) -> torch.Tensor:
+    # q: [Tp, H, D] -> [Tp, H, D]
+    qp = q[g.q_index].transpose(1, 2)  # [Bp, H, Qmax, D]
+    kp = _gather(k_cache, g.block_tables, block_size).transpose(1, 2)  # [Bp, KVH, L, D]
+    vp = _gather(v_cache, g.block_tables, block_size).transpose(1, 2)
+    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=g.mask, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)[g.q_valid]  # [Tp, H, D], tokens back in the group's order
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata,
+                    scale: float) -> torch.Tensor:
+    """q: [T, H, D] (this step's queries, RoPE applied; their K/V already written) -> [T, H, D]."""
+    d, p, block_size = meta.decode, meta.prefill, meta.block_size
+    if p is None:
+        return decode_attention(q, k_cache, v_cache, d, block_size, scale)
+    if d is None:
+        return prefill_attention(q, k_cache, v_cache, p, block_size, scale)
+    out = torch.empty_like(q)
+    out[d.tokens] = decode_attention(q[d.tokens], k_cache, v_cache, d, block_size, scale)
+    out[p.tokens] = prefill_attention(q[p.tokens], k_cache, v_cache, p, block_size, scale)
+    return out

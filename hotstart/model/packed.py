@@ -1,0 +1,41 @@
+"""Linear weights reordered for oneDNN ("packed"): the eager fast path on CPU.
+
+`torch.ops.mkldnn._reorder_linear_weight` lays a [out, in] weight out in oneDNN's blocked format once;
+`_linear_pointwise` then multiplies with it. Measured here (AVX512-BF16 EPYC, one thread): 1.4x
+faster than F.linear at 16 rows and 1.8x at one row in bf16, bit-identical results in bf16 (float32:
+differences of ~1e-6). A packed weight is a copy (anonymous memory the size of the weight), so the
+engine packs only where memory allows, after READY (engine/fastpath.py).
+
+The custom op `hotstart::packed_linear` lets compiled graphs (AOTInductor, engine/compiler.py) call a
+packed linear whose weight is a graph input: inductor's own mkldnn lowering insists on constants.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether packing works here: a CPU build with oneDNN, and a dtype it packs."""
+    return (device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and dtype in (torch.bfloat16, torch.float32) and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def pack(weight: torch.Tensor, rows_hint: int = 16) -> torch.Tensor:
+    # weight: [out, in] -> the same numbers in oneDNN's blocked layout (a plain tensor, same shape)
+    return torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    # x: [T, in] -> [T, out]
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@torch.library.custom_op("hotstart::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return linear(x, packed, bias)
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], packed.shape[0])

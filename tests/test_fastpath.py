@@ -1,0 +1,242 @@
+"""The fast path built behind READY: packed oneDNN weights and AOTInductor-compiled layer graphs equal
+the plain eager path; a bucket swaps in under load without an error or a lost token; a failed compile
+falls back to eager; the compile cache is reused by the next start."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import time
+
+import httpx
+import pytest
+import torch
+import torch.nn.functional as F
+from util import Server
+
+from hotstart.config import EngineConfig
+from hotstart.engine.core import EngineCore
+from hotstart.engine.fastpath import FastPath, cache_folder
+from hotstart.messages import EngineRequest, FastPathStatus, SamplingParams, Span
+from hotstart.model import packed
+from hotstart.model.files import weight_files
+from hotstart.model.graphs import LayerSpec
+
+pytestmark = pytest.mark.skipif(not packed.available(torch.device("cpu"), torch.float32),
+                                reason="no oneDNN packing in this torch build")
+
+
+def test_packed_linear_equals_plain():
+    g = torch.Generator().manual_seed(0)
+    for dtype, tol in ((torch.bfloat16, 0.0), (torch.float32, 1e-5)):
+        w, b = torch.randn(96, 80, generator=g).to(dtype), torch.randn(96, generator=g).to(dtype)
+        p = packed.pack(w)
+        for rows in (1, 5, 16, 33):
+            x = torch.randn(rows, 80, generator=g).to(dtype)
+            ref = F.linear(x, w, b)
+            assert (packed.linear(x, p, b) - ref).abs().max().item() <= tol * ref.abs().max().item()
+            assert torch.equal(torch.ops.hotstart.packed_linear(x, p, b), packed.linear(x, p, b))
+
+
+def _core(model_dir, dtype="float32", buckets="8") -> EngineCore:
+    cfg = EngineConfig(model_path=str(model_dir), weight_files=tuple(map(str, weight_files(model_dir))),
+                       device="cpu", dtype=dtype, max_model_len=256, kv_cache_memory=16 << 20,
+                       compile_buckets=buckets)
+    return EngineCore.build(cfg)
+
+
+def _greedy(core: EngineCore, logits: list | None = None) -> dict[str, list[int]]:
+    """Four greedy requests of different lengths, batched: prefill steps run eager, decodes of <= 8."""
+    tag = time.monotonic_ns()
+    for i in range(4):
+        core.add_request(EngineRequest(f"{i}-{tag}", list(range(3, 11 + 3 * i)), SamplingParams(max_tokens=24, temperature=0)))
+    out: dict[str, list[int]] = {}
+    runner_forward = core.runner.forward
+
+    def keep(batch, want, *rest):  # the logits every step sampled from, for the tolerance check
+        x = runner_forward(batch, want, *rest)
+        if logits is not None and x is not None:
+            logits.append(x.clone())
+        return x
+
+    core.runner.forward = keep
+    try:
+        while core.has_work():
+            for o in core.step():
+                out.setdefault(o.request_id.split("-")[0], []).extend(o.new_token_ids)
+    finally:
+        core.runner.forward = runner_forward
+    return out
+
+
+def _build(core: EngineCore, mode: str, timeout: float = 240.0) -> tuple[FastPath, list]:
+    sent: list = []
+    fast = FastPath(core, mode, core.cfg.compile_bucket_sizes(), sent.append)
+    deadline = time.monotonic() + timeout
+    while (fast.busy() or fast.compile in ("", "compiling")) and time.monotonic() < deadline:
+        fast.tick(idle=True)
+        time.sleep(0.02)
+    assert not fast.busy(), fast.status()
+    return fast, sent
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
+def test_packed_and_compiled_equal_plain_eager_in_float32(family, tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOTSTART_HOME", str(tmp_path))
+    core = _core(tiny_checkpoint(family))
+    ref_logits: list = []
+    ref = _greedy(core, ref_logits)
+    fast, sent = _build(core, "auto")
+    status = fast.status()
+    assert status.packing.startswith("packed") and status.compile == "done", status
+    assert [(b.tokens, b.state) for b in status.buckets] == [(8, "ready")]
+    logits: list = []
+    assert _greedy(core, logits) == ref  # identical greedy tokens
+    assert core.runner.compiled.steps[8] > 0  # decodes of <= 8 tokens ran compiled
+    for a, b in zip(logits, ref_logits, strict=True):
+        assert (a - b).abs().max().item() < 1e-4
+    names = [m.name for m in sent if isinstance(m, Span)]
+    assert names == ["weights packed (oneDNN)", "compiled graph ready (8 tokens)"]
+    assert any(isinstance(m, FastPathStatus) for m in sent)
+    fast.close()
+
+
+def test_packed_weights_are_exact_in_bfloat16(default_model_dir):
+    core = _core(default_model_dir, dtype="bfloat16")
+    ref = _greedy(core)
+    fast, _ = _build(core, "eager-only")
+    assert fast.status().packing.startswith("packed") and fast.status().compile.startswith("off")
+    assert _greedy(core) == ref
+
+
+def test_off_builds_nothing(tiny_checkpoint):
+    core = _core(tiny_checkpoint("llama"))
+    fast = FastPath(core, "off", (8,), lambda m: None)
+    fast.tick(idle=True)
+    assert not fast.busy() and core.runner.compiled is None
+    assert all(getattr(m, "packed", None) is None for m in core.runner.model.modules())
+
+
+# ---- a real server ------------------------------------------------------------------------------
+
+PROMPTS = [list(range(5 + i, 25 + 2 * i)) for i in range(16)]  # token ids: the tiny model's vocab is 512
+
+
+def _served_model(tiny_checkpoint, default_model_dir, tmp_path_factory):
+    """A tiny float32 checkpoint with the default model's tokenizer, so a server can run it."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp("served-qwen2")
+    src = tiny_checkpoint("qwen2")
+    for f in src.iterdir():
+        shutil.copy(f, folder / f.name)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_dir / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def served(tiny_checkpoint, default_model_dir, tmp_path_factory):
+    return _served_model(tiny_checkpoint, default_model_dir, tmp_path_factory)
+
+
+def _complete(url: str, prompt: list[int], tokens: int = 96) -> str:
+    r = httpx.post(url + "/v1/completions", timeout=120, json={
+        "model": "m", "prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == tokens
+    return r.json()["choices"][0]["text"]
+
+
+def _wave(url: str) -> list[str]:
+    with cf.ThreadPoolExecutor(16) as pool:
+        return list(pool.map(lambda p: _complete(url, p), PROMPTS))
+
+
+def _fast_path(url: str) -> dict:
+    return httpx.get(url + "/startup", timeout=10).json().get("fast_path") or {}
+
+
+def _serve(model, home, *args, env=None) -> Server:
+    return Server(str(model), "--served-model-name", "m", "--max-model-len", "512", "--max-num-seqs", "16",
+                  "--compile-buckets", "16", *args, env={"HOTSTART_HOME": str(home), **(env or {})})
+
+
+def test_bucket_swaps_in_under_load_then_the_cache_is_reused(served, tmp_path):
+    ref_server = _serve(served, tmp_path, "--compile", "off")
+    try:
+        reference = _wave(ref_server.url)
+    finally:
+        ref_server.stop()
+    s = _serve(served, tmp_path, "--compile", "auto")
+    try:
+        waves = 0
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:  # 16 streams in flight the whole time the bucket compiles
+            assert _wave(s.url) == reference
+            waves += 1
+            buckets = _fast_path(s.url).get("buckets", [])
+            if buckets and buckets[0][2] > 0:  # [tokens, state, steps]: the compiled graph ran
+                break
+            time.sleep(1.0)  # load with gaps: the compile worker runs only on a core the engine leaves idle
+        assert buckets and buckets[0][:2] == [16, "ready"], buckets
+        assert _wave(s.url) == reference  # and once more, all on the compiled graph
+        metrics = httpx.get(s.url + "/metrics").text
+        assert 'hotstart_compiled_bucket_state{bucket="16",state="ready"} 1.0' in metrics
+        startup = httpx.get(s.url + "/startup").json()
+        names = [p["name"] for p in startup["phases"]]
+        assert names.index("compiled graph ready (16 tokens)") > names.index("engine ready")
+    finally:
+        s.stop()
+    assert "Traceback" not in s.output
+    # The next start finds the graph in the cache: in use long before a compile could finish.
+    t = time.monotonic()
+    s = _serve(served, tmp_path, "--compile", "auto")
+    try:
+        while time.monotonic() - t < 60:
+            buckets = _fast_path(s.url).get("buckets", [])
+            if buckets and buckets[0][1] == "ready":
+                break
+            time.sleep(0.1)
+        assert buckets[0][1] == "ready" and time.monotonic() - t < 15, (buckets, time.monotonic() - t)
+        ready = [p for p in httpx.get(s.url + "/startup").json()["phases"] if p["name"].startswith("compiled graph")]
+        assert "from the compile cache" in ready[0]["detail"]
+        assert _wave(s.url) == reference
+    finally:
+        s.stop()
+
+
+def test_a_failed_compile_keeps_serving_eagerly(served, tmp_path):
+    s = _serve(served, tmp_path, "--compile", "auto", env={"HOTSTART_TEST_COMPILE_FAIL": "/bin/false"})
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            fast = _fast_path(s.url)
+            if fast.get("compile") not in (None, "pending", "compiling"):
+                break
+            time.sleep(0.2)
+        assert fast["buckets"][0][1].startswith("failed"), fast
+        assert _complete(s.url, PROMPTS[0], 8)
+        assert httpx.get(s.url + "/health").status_code == 200
+    finally:
+        s.stop()
+    failures = [line for line in s.lines if "failed" in line and "stays eager" in line]
+    assert len(failures) == 1, s.output
+    assert "Traceback" not in s.output
+    assert not list((tmp_path / "compile").glob("*/*.pt2"))  # nothing half-written is left to load
+
+
+def test_compile_cache_key_changes_with_what_the_graph_depends_on(tiny_checkpoint, monkeypatch, tmp_path):
+    monkeypatch.setenv("HOTSTART_HOME", str(tmp_path))
+    from hotstart.config import load_model_config
+
+    cfg = load_model_config(tiny_checkpoint("qwen2"))
+    a = cache_folder(LayerSpec.of(cfg, packed=True), torch.float32)
+    assert a == cache_folder(LayerSpec.of(cfg, packed=True), torch.float32)
+    assert a != cache_folder(LayerSpec.of(cfg, packed=False), torch.float32)
+    assert a != cache_folder(LayerSpec.of(cfg, packed=True), torch.bfloat16)
+    assert a.parent == tmp_path / "compile"
+    assert json.dumps(LayerSpec.of(cfg, True).as_dict())  # plain data: it travels to the compile worker
+    assert os.path.basename(a) != os.path.basename(cache_folder(LayerSpec.of(load_model_config(
+        tiny_checkpoint("qwen3")), True), torch.float32))
