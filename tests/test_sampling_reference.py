@@ -97,7 +97,7 @@ def openai_penalties(prompt_len: int, presence: float, frequency: float):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logprobs_are_the_models_raw_logprobs(models, family):
-    d, core, ref = models(family)
+    _d, core, ref = models(family)
     ids = prompt()
     out = run(core, {"a": (ids, SamplingParams(max_tokens=8, temperature=0.7, seed=2, ignore_eos=True, logprobs=5,
                                                prompt_logprobs=3))})
@@ -120,7 +120,7 @@ def test_logprobs_are_the_models_raw_logprobs(models, family):
         assert len(lp.top_ids) == 3 and torch.allclose(row[lp.top_ids], torch.topk(row, 3).values, atol=ATOL)
 
 
-def test_prompt_logprobs_across_chunks_and_preemption(models):
+def test_prompt_logprobs_of_a_long_prompt_prefilled_in_chunks(models):
     """A long prompt is prefilled in bounded chunks; its prompt logprobs come out whole, once."""
     d, _, ref = models("qwen2")
     core = engine(d, max_num_batched_tokens=64)
@@ -135,9 +135,13 @@ def test_prompt_logprobs_across_chunks_and_preemption(models):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_penalties_and_biases_match_transformers_greedy(models, family):
-    from transformers import MinNewTokensLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
+    from transformers import (
+        MinNewTokensLengthLogitsProcessor,
+        RepetitionPenaltyLogitsProcessor,
+        SequenceBiasLogitsProcessor,
+    )
 
-    d, core, ref = models(family)
+    _d, core, ref = models(family)
     ids = prompt(17, seed=3)
     plain = hf_greedy(ref, ids, 32)
     cases = {
@@ -182,7 +186,7 @@ def test_min_p_matches_transformers_warper():
 
 
 def test_min_p_one_is_greedy(models):
-    d, core, ref = models("qwen2")
+    _d, core, ref = models("qwen2")
     ids = prompt(11, seed=8)
     sampled = run(core, {"a": (ids, SamplingParams(max_tokens=16, temperature=1.5, min_p=1.0, seed=1, ignore_eos=True))})
     assert only(sampled) == hf_greedy(ref, ids, 16)

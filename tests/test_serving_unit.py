@@ -123,3 +123,45 @@ def test_prepare_completion_with_token_ids():
     with pytest.raises(ApiError) as e:
         s.prepare_completion(completion(prompt=[1, 2], max_tokens=63))
     assert e.value.code == "context_length_exceeded" and e.value.param == "max_tokens"
+
+
+def test_generation_config_fields_become_defaults_requests_override(tmp_path):
+    from hotstart.server.validation import read_generation_config, sampling_defaults
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05, "min_p": 0.1,
+         "max_new_tokens": 99, "eos_token_id": [1, 2], "typical_p": 0.5}))
+    want = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.1, "repetition_penalty": 1.05}
+    assert read_generation_config(tmp_path) == want == sampling_defaults(tmp_path, "auto")
+    assert sampling_defaults(tmp_path, "none") == {}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 5, "top_p": "x", "top_k": True}))
+    assert read_generation_config(tmp_path) == {}  # out of range or not numbers: ignored
+    assert read_generation_config(tmp_path / "missing") == {}
+    engine = EngineHandle()
+    engine.set_ready(max_model_len=64)
+    s = serving(engine, vocab_size=100, sampling_defaults=want)
+    _, _, p, _ = s.prepare_completion(completion(prompt=[1, 2, 3]))
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == (0.7, 0.8, 20, 0.1, 1.05)
+    _, _, p, _ = s.prepare_completion(completion(prompt=[1, 2, 3], temperature=0, top_k=-1, min_p=0,
+                                                 repetition_penalty=1.0, top_p=1.0))
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == (0.0, 1.0, 0, 0.0, 1.0)
+
+
+def test_sampling_params_carry_every_feature():
+    engine = EngineHandle()
+    engine.set_ready(max_model_len=64)
+    s = serving(engine, vocab_size=100)
+    s.tokenizer = type("Tok", (), {"encode": lambda self, text, add_special_tokens: [1, 2, 3]})()
+    _, _, p, _ = s.prepare_completion(completion(
+        prompt="hi", n=3, logprobs=2, echo=True, presence_penalty=0.5, frequency_penalty=-0.5,
+        logit_bias={"7": -100, " 9": 2.5}, min_tokens=4, max_tokens=10, seed=1))
+    assert (p.n, p.logprobs, p.prompt_logprobs, p.presence_penalty, p.frequency_penalty) == (3, 2, 2, 0.5, -0.5)
+    assert p.logit_bias == {7: -100.0, 9: 2.5} and p.min_tokens == 4 and p.needs_sampler_state
+    _, _, p, _ = s.prepare_completion(completion(prompt=[1, 2, 3], n=2))
+    assert p.n == 2 and not p.needs_sampler_state and p.prompt_logprobs is None  # n alone: the plain path
+    with pytest.raises(ApiError) as e:
+        s.prepare_completion(completion(prompt=[1, 2, 3], n=5))  # more than the engine's max_num_seqs (4)
+    assert e.value.param == "n"
+    with pytest.raises(ApiError) as e:
+        s.prepare_completion(completion(prompt=[1, 2], logit_bias={"100": 1}))
+    assert e.value.param == "logit_bias"

@@ -137,14 +137,15 @@ class Penalties:
         rows = _rows(logits, idx)
         sub = logits[rows]  # [R, V]
         counts = self.counts.counts[slots]  # [R, V]
+        generated = counts > 0
         if any(p.repetition_penalty != 1 for p in params):
             rep = torch.tensor([p.repetition_penalty for p in params], device=dev)[:, None]
-            seen = (counts > 0) | self.counts.prompt[slots]
+            seen = generated | self.counts.prompt[slots]
             sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
         if any(p.frequency_penalty != 0 or p.presence_penalty != 0 for p in params):
             freq = torch.tensor([p.frequency_penalty for p in params], device=dev)[:, None]
             pres = torch.tensor([p.presence_penalty for p in params], device=dev)[:, None]
-            sub = sub - freq * counts - pres * (counts > 0).to(sub.dtype)
+            sub = sub - freq * counts - pres * generated.to(sub.dtype)
         logits[rows] = sub
         return logits
 

@@ -32,9 +32,11 @@ from hotstart.server.generation import (
     sse_events,
     unless_disconnected,
 )
+from hotstart.server.logprobs import LogprobsFormat
 from hotstart.server.metrics import CONTENT_TYPE, Metrics
 from hotstart.server.schemas import ChatCompletionRequest, CompletionRequest, decode_request, read_body
 from hotstart.server.validation import (
+    MAX_N,
     chat_messages,
     check_chat,
     check_completion,
@@ -69,7 +71,8 @@ class ApiSettings:
     max_request_bytes: int = 1 << 20
     """Larger request bodies are refused with 413."""
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
-    """temperature / top_p / top_k when a request omits them (validation.read_generation_config)."""
+    """temperature / top_p / top_k / min_p / repetition_penalty when a request omits them
+    (validation.sampling_defaults: generation_config.json's, with --generation-config auto)."""
     vocab_size: int | None = None
     """Token ids in prompts and stop_token_ids must be below it (default: the tokenizer's)."""
 
@@ -98,6 +101,12 @@ class OpenAIServing:
         info = self.engine.info
         return info.max_model_len if info is not None else self.settings.max_model_len
 
+    @property
+    def max_n(self) -> int:
+        """Largest `n`: MAX_N, and no more than the engine batches (its max_num_seqs)."""
+        info = self.engine.info
+        return min(MAX_N, info.max_num_seqs) if info is not None else MAX_N
+
     def check_model(self, name: str) -> str:
         """The name reported in responses (the first served one), or 404 if NAME is not served."""
         if name not in self.names:
@@ -109,10 +118,10 @@ class OpenAIServing:
         if not self.engine.ready:
             raise ApiError(503, f"the engine is not ready ({self.engine.status})", code="engine_not_ready")
 
-    def sampling(self, req: Any, max_tokens: int | None, max_param: str, n_prompt: int, prompt_param: str
-                 ) -> SamplingParams:
+    def sampling(self, req: Any, max_tokens: int | None, max_param: str, n_prompt: int, prompt_param: str,
+                 logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
         return sampling_params(req, max_tokens, max_param, n_prompt, prompt_param, self.max_model_len,
-                               self.settings.sampling_defaults, self.vocab_size)
+                               self.settings.sampling_defaults, self.vocab_size, logprobs, prompt_logprobs)
 
     @staticmethod
     def engine_error(e: Exception) -> ApiError:
@@ -137,7 +146,7 @@ class OpenAIServing:
     def prepare_chat(self, req: ChatCompletionRequest) -> tuple[str, list[int], SamplingParams]:
         """(model, prompt ids, sampling params) of a chat request, or ApiError."""
         model = self.check_model(req.model)
-        check_chat(req)
+        check_chat(req, self.max_n)
         messages = chat_messages(req)
         kwargs = template_kwargs(req)
         self.require_ready()
@@ -147,13 +156,15 @@ class OpenAIServing:
         except ChatTemplateError as e:
             raise ApiError(400, str(e), param="messages", code="chat_template_error") from None
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        params = self.sampling(req, req.max_completion_tokens or req.max_tokens, max_param, len(ids), "messages")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = self.sampling(req, req.max_completion_tokens or req.max_tokens, max_param, len(ids), "messages",
+                               logprobs)
         return model, ids, params
 
     def prepare_completion(self, req: CompletionRequest) -> tuple[str, list[int], SamplingParams, str]:
         """(model, prompt ids, sampling params, echoed prompt text) of a completion request, or ApiError."""
         model = self.check_model(req.model)
-        check_completion(req)
+        check_completion(req, self.max_n)
         prompt = completion_prompt(req.prompt)
         self.require_ready()
         if isinstance(prompt, str):
@@ -163,7 +174,8 @@ class OpenAIServing:
             ids = prompt
         if not ids:
             raise bad_param("prompt", "the prompt encodes to no tokens")
-        params = self.sampling(req, req.max_tokens, "max_tokens", len(ids), "prompt")
+        prompt_logprobs = req.logprobs if req.echo else None
+        params = self.sampling(req, req.max_tokens, "max_tokens", len(ids), "prompt", req.logprobs, prompt_logprobs)
         echo = "" if not req.echo else prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
         return model, ids, params, echo
 
@@ -178,30 +190,40 @@ class OpenAIServing:
                                 "created": int(time.time()), "model": model}
         if chat:
             head["system_fingerprint"] = None
+        fmt = LogprobsFormat(self.tokenizer, params.n) if params.logprobs is not None else None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return SSEResponse(sse_events(gen, head, chat, include_usage, prefix=echo,
-                                          on_error=lambda e: self.engine_error(e).body()))
+                                          on_error=lambda e: self.engine_error(e).body(), logprobs=fmt))
         try:
-            finished, text = await unless_disconnected(request.receive, lambda: self.collect(gen))
+            finished, _ = await unless_disconnected(request.receive, lambda: self.collect(gen))
         except (EngineDeadError, GenerationError) as e:
             raise self.engine_error(e) from None
         if not finished:
             return Response(status_code=499)  # nobody reads it; the status shows in /metrics
+        choices = []
+        for c in gen.choices:
+            if chat:
+                lps = fmt.chat(c.logprobs) if fmt is not None else None
+                choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                                "logprobs": lps, "finish_reason": c.finish_reason})
+            else:
+                prompt = (ids, gen.prompt_logprobs or []) if params.prompt_logprobs is not None else None
+                lps = fmt.completion(c.index, c.logprobs, prompt) if fmt is not None else None
+                choices.append({"index": c.index, "text": echo + c.text, "logprobs": lps,
+                                "finish_reason": c.finish_reason})
         if chat:
             head["object"] = "chat.completion"
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": gen.finish_reason}
-        else:
-            choice = {"index": 0, "text": echo + text, "logprobs": None, "finish_reason": gen.finish_reason}
-        return json_response({**head, "choices": [choice], "usage": gen.usage()})
+        return json_response({**head, "choices": choices, "usage": gen.usage()})
 
     @staticmethod
-    async def collect(gen: Generation) -> str:
-        """The whole generated text (the engine iterator is closed however this ends)."""
+    async def collect(gen: Generation) -> None:
+        """Run GEN to its end (its choices then hold text and logprobs); the engine iterator is closed
+        however this ends."""
         stream = gen.deltas()
         try:
-            return "".join([piece async for piece in stream])
+            async for _ in stream:
+                pass
         finally:
             await close_shielded(stream)
 
@@ -210,6 +232,9 @@ class OpenAIServing:
         body = dict(self.engine.timeline.to_json())
         if prefetch_stats is not None:
             body["prefetch"] = prefetch_stats() if callable(prefetch_stats) else prefetch_stats
+        fast = getattr(self.engine, "fast_path", None)
+        if fast is not None:
+            body["fast_path"] = msgspec.to_builtins(fast)  # what is built behind READY, per bucket
         return body
 
     # --- endpoints -----------------------------------------------------------------------------
@@ -244,6 +269,7 @@ class OpenAIServing:
 
     async def prometheus(self) -> Response:
         self.metrics.update_engine(self.engine.stats, self.engine.ready)
+        self.metrics.update_fast_path(getattr(self.engine, "fast_path", None))
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
 

@@ -26,7 +26,7 @@ from hotstart.config import EngineConfig
 from hotstart.forkserver.client import EngineLauncher
 from hotstart.messages import (
     AbortRequest, EngineExited, EngineFailed, EngineReady, EngineRequest, EngineSpawned, EngineStats,
-    ForkserverExited, SamplingParams, ServerInfo, Shutdown, Span, StepOutputs, TokenOutput, encoder,
+    FastPathStatus, ForkserverExited, SamplingParams, ServerInfo, Shutdown, Span, StepOutputs, TokenOutput, encoder,
     from_engine_decoder,
 )
 
@@ -51,6 +51,7 @@ class EngineClient:
         self.info: EngineReady | None = None
         self.server_info: ServerInfo | None = None
         self.stats = EngineStats()
+        self.fast_path: FastPathStatus | None = None  # what is built behind READY (engine/fastpath.py)
         self.fatal: str | None = None
         self.restarts = 0
         self.recovery_seconds: list[float] = []  # death -> replacement ready, per restart
@@ -204,7 +205,10 @@ class EngineClient:
         elif isinstance(msg, Span):
             if self._died_at is None:  # a replacement engine's phases are not part of startup
                 self.timeline.record(msg)
-            self.status = msg.name
+            if not self.ready:  # after READY, spans are the fast path being built behind
+                self.status = msg.name
+        elif isinstance(msg, FastPathStatus):
+            self.fast_path = msg
         elif isinstance(msg, EngineReady):
             self.info, self.ready, self.status = msg, True, "ready"
             if self._died_at is not None:
@@ -247,13 +251,15 @@ class EngineClient:
     # --- requests ---------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[TokenOutput]:
-        """Yield TokenOutputs (token deltas) until one carries finish_reason. Closing the iterator
-        early aborts the request in the engine (its KV blocks are freed)."""
+        """Yield TokenOutputs (token deltas, each naming its choice) until every choice has carried a
+        finish_reason, or one output says "error" / "abort". Closing the iterator early aborts the request
+        in the engine (its KV blocks are freed)."""
         if not self.ready:
             raise EngineDeadError(self.fatal or f"engine not ready ({self.status})")
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
         finished = False
+        open_choices = set(range(params.n))
         try:
             await self._push.send(encoder.encode(EngineRequest(request_id, list(prompt_token_ids), params)))
             while True:
@@ -261,7 +267,9 @@ class EngineClient:
                 if isinstance(out, Exception):
                     finished = True
                     raise out
-                finished = out.finish_reason is not None
+                if out.finish_reason is not None:
+                    open_choices.discard(out.index)
+                finished = not open_choices or out.finish_reason in ("error", "abort")
                 yield out
                 if finished:
                     return
@@ -270,10 +278,15 @@ class EngineClient:
             if not finished and self.ready:
                 await self.abort(request_id)
 
-    async def abort(self, request_id: str) -> None:
-        self._queues.pop(request_id, None)
+    async def abort(self, request_id: str, index: int | None = None) -> None:
+        """Abort REQUEST_ID in the engine (only its choice INDEX if given; that one reports nothing more)."""
+        if index is None:
+            self._queues.pop(request_id, None)
         if self._push is not None and not self._closing:
             try:
-                await self._push.send(encoder.encode(AbortRequest([request_id])))
+                await self._push.send(encoder.encode(AbortRequest([request_id], index)))
             except zmq.ZMQError:
                 pass
+
+    async def abort_choice(self, request_id: str, index: int) -> None:
+        await self.abort(request_id, index)

@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
 from starlette.responses import StreamingResponse
 
+from hotstart.messages import TokenOutput
 from hotstart.server.errors import error_body
+from hotstart.server.logprobs import LogprobsFormat
 from hotstart.text.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
-    from hotstart.messages import SamplingParams
+    from hotstart.messages import SamplingParams, TokenLogprobs
     from hotstart.server.metrics import Metrics
 
 _json = msgspec.json.Encoder()
@@ -74,53 +77,119 @@ class StopStringFilter:
         return out
 
 
-class Generation:
-    """Runs one request in the engine; `deltas()` yields its text, then finish_reason / counts are set."""
+class Choice:
+    """One choice's text: detokenizer, stop strings, finish reason, its tokens (and their logprobs)."""
 
-    def __init__(self, engine: Any, tokenizer: Any, request_id: str, prompt_ids: list[int],
-                 params: SamplingParams, stops: list[str], metrics: Metrics, t_arrival: float,
-                 on_finish: Callable[[str], None] | None = None) -> None:
-        self.engine, self.request_id, self.prompt_ids, self.params = engine, request_id, prompt_ids, params
+    def __init__(self, index: int, tokenizer: Any, prompt_ids: list[int], stops: list[str],
+                 stop_ids: set[int]) -> None:
+        self.index = index
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=True, prompt_ids=prompt_ids)
         self.filter = StopStringFilter(stops)
-        # a user stop token ends the text without appearing in it (eos is special: decode skips it)
-        self.stop_ids = set(params.stop_token_ids)
-        self.metrics, self.t_arrival, self.on_finish = metrics, t_arrival, on_finish
+        self.stop_ids = stop_ids
         self.finish_reason: str | None = None
         self.completion_tokens = 0
+        self.logprobs: list[tuple[int, TokenLogprobs]] = []  # (token id, its logprobs), every token
+        self._unsent = 0  # logprobs not yet handed out with a delta
 
     @property
     def text(self) -> str:
         return self.filter.text
 
-    async def deltas(self) -> AsyncIterator[str]:
-        """Text deltas (never empty). Raises EngineDeadError or GenerationError on failure."""
+    def feed(self, out: TokenOutput) -> Delta:
+        """The text (and logprobs) one engine output adds; sets finish_reason when it ends the choice."""
+        ids = out.new_token_ids
+        self.completion_tokens += len(ids)
+        if out.logprobs:
+            self.logprobs += zip(ids, out.logprobs)
+        reason = out.finish_reason
+        # a user stop token ends the text without appearing in it (eos is special: decode skips it)
+        if reason == "stop" and ids and ids[-1] in self.stop_ids:
+            ids = ids[:-1]
+        delta = self.detok.add(ids) if ids else ""
+        if reason is not None:
+            delta += self.detok.flush()
+        piece = self.filter.feed(delta)
+        if self.filter.stopped:
+            reason = "stop"
+        elif reason is not None:
+            piece += self.filter.finish()
+        self.finish_reason = reason
+        lps = None
+        if (piece or reason is not None) and self._unsent < len(self.logprobs):
+            lps, self._unsent = self.logprobs[self._unsent:], len(self.logprobs)
+        return Delta(self.index, piece, lps, reason)
+
+
+@dataclass
+class Delta:
+    """What one engine output adds to choice INDEX: text (maybe empty), the logprobs of the tokens it
+    releases (None if none or not asked for), and the finish reason if the choice ended."""
+
+    index: int
+    text: str
+    logprobs: list[tuple[int, TokenLogprobs]] | None = None
+    finish_reason: str | None = None
+
+
+class Generation:
+    """Runs one request (n choices) in the engine; `deltas()` yields what each output adds, then every
+    choice's finish_reason is set, the counts and logprobs too."""
+
+    def __init__(self, engine: Any, tokenizer: Any, request_id: str, prompt_ids: list[int],
+                 params: SamplingParams, stops: list[str], metrics: Metrics, t_arrival: float,
+                 on_finish: Callable[[str], None] | None = None) -> None:
+        self.engine, self.request_id, self.prompt_ids, self.params = engine, request_id, prompt_ids, params
+        stop_ids = set(params.stop_token_ids)
+        self.choices = [Choice(i, tokenizer, prompt_ids, stops, stop_ids) for i in range(params.n)]
+        self.metrics, self.t_arrival, self.on_finish = metrics, t_arrival, on_finish
+        # prompt tokens 1..P-1 (echo with logprobs), from the engine's first output
+        self.prompt_logprobs: list[TokenLogprobs] | None = None
+        self._first_token = True
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.choices[0].finish_reason
+
+    @property
+    def text(self) -> str:
+        return self.choices[0].text
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.completion_tokens for c in self.choices)
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Deltas, one per engine output that adds text, logprobs or a finish. Raises EngineDeadError or
+        GenerationError on failure."""
         agen = self.engine.generate(self.request_id, self.prompt_ids, self.params)
+        open_choices = len(self.choices)
         try:
             async for out in agen:
-                ids = out.new_token_ids
-                if ids:
-                    if self.completion_tokens == 0:
-                        self.metrics.ttft.observe(time.perf_counter() - self.t_arrival)
-                    self.completion_tokens += len(ids)
-                    self.metrics.generation_tokens.inc(len(ids))
-                reason = out.finish_reason
-                if reason == "error":
+                if out.finish_reason == "error":
                     raise GenerationError(out.error or "the engine could not run this request")
-                if reason == "stop" and ids and ids[-1] in self.stop_ids:
-                    ids = ids[:-1]
-                delta = self.detok.add(ids) if ids else ""
-                if reason is not None:
-                    delta += self.detok.flush()
-                piece = self.filter.feed(delta)
-                if self.filter.stopped:
-                    reason = "stop"
-                elif reason is not None:
-                    piece += self.filter.finish()
-                if piece:
-                    yield piece
-                if reason is not None:
-                    self._finish(reason)
+                if out.prompt_logprobs is not None:
+                    self.prompt_logprobs = out.prompt_logprobs
+                if out.new_token_ids:
+                    if self._first_token:
+                        self._first_token = False
+                        self.metrics.ttft.observe(time.perf_counter() - self.t_arrival)
+                    self.metrics.generation_tokens.inc(len(out.new_token_ids))
+                # an engine abort (it is shutting down) ends every choice
+                targets = ([c for c in self.choices if c.finish_reason is None] if out.finish_reason == "abort"
+                           else [self.choices[out.index]] if 0 <= out.index < len(self.choices) else [])
+                for choice in targets:
+                    if choice.finish_reason is not None:
+                        continue  # already ended by a stop string: the engine's late tokens are dropped
+                    delta = choice.feed(out if choice.index == out.index else TokenOutput(out.request_id, [], "abort"))
+                    if delta.text or delta.logprobs or delta.finish_reason:
+                        yield delta
+                    if delta.finish_reason is not None:
+                        open_choices -= 1
+                        self.metrics.finished.labels(delta.finish_reason).inc()
+                        if open_choices and out.finish_reason is None:  # a stop string: stop that choice only
+                            await self._abort_choice(choice.index)
+                if not open_choices:
+                    self._finish()
                     return
             raise GenerationError("the engine ended the request without a finish reason")
         finally:
@@ -128,14 +197,18 @@ class Generation:
             # abort must still reach the engine so the request's KV blocks are freed
             await close_shielded(agen)
 
-    def _finish(self, reason: str) -> None:
-        self.finish_reason = reason
+    async def _abort_choice(self, index: int) -> None:
+        abort = getattr(self.engine, "abort_choice", None)
+        if abort is not None:
+            await abort(self.request_id, index)
+
+    def _finish(self) -> None:
         self.metrics.e2e.observe(time.perf_counter() - self.t_arrival)
-        self.metrics.finished.labels(reason).inc()
         if self.on_finish is not None:
-            self.on_finish(reason)
+            self.on_finish(self.finish_reason or "stop")
 
     def usage(self) -> dict[str, int]:
+        """OpenAI's: the prompt once, the completion tokens of every choice."""
         n, m = len(self.prompt_ids), self.completion_tokens
         return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
 
@@ -180,30 +253,58 @@ def sse(obj: Any) -> bytes:
 
 
 async def sse_events(gen: Generation, head: dict[str, Any], chat: bool, include_usage: bool,
-                     prefix: str = "", on_error: Callable[[Exception], dict] | None = None
-                     ) -> AsyncIterator[bytes]:
-    """OpenAI stream chunks for GEN: (chat: a role chunk first) content deltas, a finish chunk, an
-    optional usage chunk with empty choices, then [DONE]. A failure becomes an error event + [DONE].
-    PREFIX is sent first (completions' echo)."""
+                     prefix: str = "", on_error: Callable[[Exception], dict] | None = None,
+                     logprobs: LogprobsFormat | None = None) -> AsyncIterator[bytes]:
+    """OpenAI stream chunks for GEN, each naming its choice's index: (chat: a role chunk per choice
+    first) content deltas, a finish chunk per choice as it ends, an optional usage chunk with empty
+    choices, then [DONE]. A failure becomes an error event + [DONE]. PREFIX is sent first for every choice
+    (completions' echo; with prompt logprobs, once the engine has sent them). LOGPROBS (set when the
+    request asked for logprobs) formats the logprobs each content chunk carries."""
     extra = {"usage": None} if include_usage else {}
+    n = len(gen.choices)
 
-    def chunk(text: str | None, finish: str | None = None, role: bool = False) -> bytes:
+    def chunk(index: int, text: str | None, finish: str | None = None, role: bool = False,
+              lps: Any = None) -> bytes:
         if chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else (
                 {"content": text} if text is not None else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "text": text or "", "logprobs": lps, "finish_reason": finish}
         return sse({**head, "choices": [choice], **extra})
 
+    def formatted(index: int, items: Any) -> Any:
+        if logprobs is None or items is None:
+            return None
+        return logprobs.chat(items) if chat else logprobs.completion(index, items)
+
+    echo_logprobs = logprobs is not None and gen.params.prompt_logprobs is not None  # set only with echo
+
+    def echo() -> list[bytes]:
+        if not echo_logprobs:
+            return [chunk(i, prefix) for i in range(n)]
+        prompt = (gen.prompt_ids, gen.prompt_logprobs or [])
+        return [chunk(i, prefix, lps=logprobs.completion(i, [], prompt)) for i in range(n)]
+
     if chat:
-        yield chunk(None, role=True)
-    if prefix:
-        yield chunk(prefix)
+        for i in range(n):
+            yield chunk(i, None, role=True)
+    pending_echo = bool(prefix) or echo_logprobs
+    if pending_echo and not echo_logprobs:
+        for c in echo():
+            yield c
+        pending_echo = False
     stream = gen.deltas()
     try:
-        async for text in stream:
-            yield chunk(text)
+        async for d in stream:
+            if pending_echo:
+                for c in echo():
+                    yield c
+                pending_echo = False
+            if d.text or d.logprobs:
+                yield chunk(d.index, d.text, lps=formatted(d.index, d.logprobs))
+            if d.finish_reason is not None:
+                yield chunk(d.index, None, d.finish_reason)
     except Exception as e:  # engine died / request failed: the status line is already sent
         body = on_error(e) if on_error is not None else error_body(str(e), "server_error")
         yield sse(body)
@@ -211,7 +312,6 @@ async def sse_events(gen: Generation, head: dict[str, Any], chat: bool, include_
         return
     finally:
         await close_shielded(stream)
-    yield chunk(None, gen.finish_reason)
     if include_usage:
         yield sse({**head, "choices": [], "usage": gen.usage()})
     yield DONE

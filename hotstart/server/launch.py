@@ -103,12 +103,14 @@ def run_serve(args: argparse.Namespace, cfg: ServeConfig, t0: float, launcher: E
         client = EngineClient(launcher, engine_cfg, timeline, auto_restart=cfg.restart)
         with timeline.phase("web stack imported"):
             from hotstart.server.api import ApiSettings, build_app  # noqa: PLC0415
+            from hotstart.server.validation import sampling_defaults  # noqa: PLC0415
             from hotstart.text.tokenizer import Tokenizer  # noqa: PLC0415
         with timeline.phase("tokenizer loaded"):
             tokenizer = Tokenizer.from_dir(model.path)
         names = list(cfg.served_model_name or [model.name])
         settings = ApiSettings(served_model_names=names, api_key=cfg.api_key,
-                               max_request_bytes=cfg.max_request_bytes)
+                               max_request_bytes=cfg.max_request_bytes,
+                               sampling_defaults=sampling_defaults(model.path, cfg.generation_config))
         app = build_app(client, tokenizer, settings)
         if prefetcher is not None:
             app.state.prefetch_stats = prefetcher.stats

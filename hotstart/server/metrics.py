@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 if TYPE_CHECKING:
-    from hotstart.messages import EngineStats
+    from hotstart.messages import EngineStats, FastPathStatus
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Seconds; spans a warm single-token answer on a GPU to a long CPU generation.
@@ -46,7 +46,20 @@ class Metrics:
                               registry=r)
         self.preemptions = Gauge("hotstart_num_preemptions", "Preemptions so far (engine total)",
                                  registry=r)
+        self.prefix_queries = Counter("hotstart_prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache", registry=r)
+        self.prefix_hits = Counter("hotstart_prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                   registry=r)
+        self.prompt_computed = Counter("hotstart_prompt_tokens_computed",
+                                       "Prompt tokens the engine computed (prefill work: prefix-cache hits "
+                                       "and the n choices of a request share it)", registry=r)
+        self._engine_totals = (0, 0, 0)
         self.ready = Gauge("hotstart_engine_ready", "1 once the engine serves requests", registry=r)
+        self.bucket_state = Gauge("hotstart_compiled_bucket_state", "1 for the state of each compiled bucket",
+                                  ["bucket", "state"], registry=r)
+        self.bucket_steps = Gauge("hotstart_compiled_bucket_steps", "Engine steps run on each compiled bucket",
+                                  ["bucket"], registry=r)
+        self.eager_steps = Gauge("hotstart_eager_steps", "Engine steps run on the eager forward", registry=r)
         self.startup = Gauge("hotstart_startup_duration_seconds",
                              "From `hotstart serve` to the engine being ready (set by the serve command)",
                              registry=r)
@@ -58,6 +71,17 @@ class Metrics:
     def observe_request(self, endpoint: str, status: int | str) -> None:
         self.requests.labels(endpoint, str(status)).inc()
 
+    def update_fast_path(self, status: FastPathStatus | None) -> None:
+        """Per bucket of the compiled path: its state (1 on the current one) and the steps it ran."""
+        if status is None:
+            return
+        for b in status.buckets:
+            state = b.state.split(":")[0]  # "failed: why" -> "failed": a fixed label set
+            for s in ("compiling", "ready", "failed"):
+                self.bucket_state.labels(str(b.tokens), s).set(1 if s == state else 0)
+            self.bucket_steps.labels(str(b.tokens)).set(b.steps)
+        self.eager_steps.set(status.eager_steps)
+
     def update_engine(self, stats: EngineStats | None, ready: bool) -> None:
         self.ready.set(1 if ready else 0)
         if stats is None:
@@ -66,6 +90,12 @@ class Metrics:
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)
         self.preemptions.set(stats.num_preemptions)
+        # engine totals since it started: counted forward by their growth (a replaced engine starts at 0)
+        totals = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.prompt_tokens_computed)
+        for counter, new, old in zip((self.prefix_queries, self.prefix_hits, self.prompt_computed), totals,
+                                     self._engine_totals, strict=True):
+            counter.inc(new - old if new >= old else new)
+        self._engine_totals = totals
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -44,6 +44,7 @@ class _Common(msgspec.Struct, kw_only=True):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -55,6 +56,7 @@ class _Common(msgspec.Struct, kw_only=True):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = None
     user: str | None = None
 
 

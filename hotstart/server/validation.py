@@ -4,6 +4,7 @@ and the engine's SamplingParams. Every failure is an ApiError 400 naming the off
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -15,8 +16,14 @@ from hotstart.server.schemas import MAX_JSON_DEPTH
 if TYPE_CHECKING:
     from hotstart.server.schemas import ChatCompletionRequest, CompletionRequest, _Common
 
+log = logging.getLogger("hotstart")
 MAX_STOP_STRINGS = 16
 PENALTY_RANGE = 2.0  # OpenAI's range for presence_penalty / frequency_penalty: [-2, 2]
+LOGIT_BIAS_RANGE = 100.0  # OpenAI's: [-100, 100]
+MAX_N = 128  # choices per request (and at most the engine's max_num_seqs)
+MAX_TOP_LOGPROBS = 20  # chat top_logprobs (OpenAI's limit)
+MAX_COMPLETION_LOGPROBS = 5  # completions logprobs (OpenAI's limit)
+GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
               "tool": "tool"}
 INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
@@ -37,11 +44,11 @@ def check_depth(value: Any, param: str, limit: int = MAX_JSON_DEPTH) -> None:
             stack.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v))
 
 
-def check_common(req: _Common) -> None:
+def check_common(req: _Common, max_n: int = MAX_N) -> None:
     """Range checks and unsupported features shared by both endpoints; raises ApiError 400."""
-    if req.n not in (None, 1):
-        raise unsupported("n", f"n={req.n} (only one choice per request)")
-    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+    if req.n is not None and not 1 <= req.n <= max_n:
+        raise bad_param("n", f"`n` must be in [1, {max_n}], got {req.n}")
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
         value = getattr(req, name)
         if value is not None and not math.isfinite(value):
             raise bad_param(name, f"`{name}` must be a finite number, got {value}")
@@ -51,23 +58,24 @@ def check_common(req: _Common) -> None:
         raise bad_param("top_p", f"`top_p` must be in (0, 1], got {req.top_p}")
     if req.top_k is not None and req.top_k < -1:
         raise bad_param("top_k", f"`top_k` must be -1 or 0 (disabled) or positive, got {req.top_k}")
+    if req.min_p is not None and not 0.0 <= req.min_p <= 1.0:
+        raise bad_param("min_p", f"`min_p` must be in [0, 1], got {req.min_p}")
     if req.seed is not None and not INT64_MIN <= req.seed <= UINT64_MAX:
         raise bad_param("seed", "`seed` must fit in 64 bits")
     if req.max_tokens is not None and req.max_tokens < 1:
         raise bad_param("max_tokens", f"`max_tokens` must be at least 1, got {req.max_tokens}")
+    if req.min_tokens is not None and req.min_tokens < 0:
+        raise bad_param("min_tokens", f"`min_tokens` must be >= 0, got {req.min_tokens}")
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(req, name)
         if value is not None and not -PENALTY_RANGE <= value <= PENALTY_RANGE:
             raise bad_param(name, f"`{name}` must be in [-2, 2], got {value}")
-        if value not in (None, 0.0):
-            raise unsupported(name, f"non-zero `{name}`")
     if req.repetition_penalty is not None and req.repetition_penalty <= 0:
         raise bad_param("repetition_penalty",
                         f"`repetition_penalty` must be > 0, got {req.repetition_penalty}")
-    if req.repetition_penalty not in (None, 1.0):
-        raise unsupported("repetition_penalty", "`repetition_penalty` other than 1")
-    if req.logit_bias:
-        raise unsupported("logit_bias", "`logit_bias`")
+    for key, value in (req.logit_bias or {}).items():
+        if not math.isfinite(value) or not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE:
+            raise bad_param("logit_bias", f"`logit_bias` values must be in [-100, 100], got {value} for {key!r}")
     if req.stream_options is not None and not req.stream:
         raise bad_param("stream_options", "`stream_options` is only allowed when `stream` is true")
     for i, s in enumerate(stop_strings(req)):
@@ -77,13 +85,16 @@ def check_common(req: _Common) -> None:
         raise bad_param("stop", f"at most {MAX_STOP_STRINGS} stop strings are supported")
 
 
-def check_chat(req: ChatCompletionRequest) -> None:
-    check_common(req)
+def check_chat(req: ChatCompletionRequest, max_n: int = MAX_N) -> None:
+    check_common(req, max_n)
     if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
         raise bad_param("max_completion_tokens",
                         f"`max_completion_tokens` must be at least 1, got {req.max_completion_tokens}")
-    if req.logprobs or req.top_logprobs:
-        raise unsupported("logprobs" if req.logprobs else "top_logprobs", "`logprobs` / `top_logprobs`")
+    if req.top_logprobs is not None:
+        if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise bad_param("top_logprobs", f"`top_logprobs` must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
+        if not req.logprobs:
+            raise bad_param("top_logprobs", "`top_logprobs` needs `logprobs` set to true")
     fmt = (req.response_format or {}).get("type", "text")
     if fmt != "text":
         raise unsupported("response_format", f"response_format `{fmt}` (only `text`)")
@@ -136,10 +147,10 @@ def _check_function_name(fn: dict[str, Any], param: str) -> None:
         raise bad_param(f"{param}.name", f"`{param}.name` must be a non-empty string")
 
 
-def check_completion(req: CompletionRequest) -> None:
-    check_common(req)
-    if req.logprobs is not None:
-        raise unsupported("logprobs", "`logprobs`")
+def check_completion(req: CompletionRequest, max_n: int = MAX_N) -> None:
+    check_common(req, max_n)
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise bad_param("logprobs", f"`logprobs` must be in [0, {MAX_COMPLETION_LOGPROBS}], got {req.logprobs}")
     if req.best_of not in (None, 1):
         raise unsupported("best_of", "`best_of` > 1")
     if req.suffix:
@@ -216,11 +227,27 @@ def check_token_ids(ids: list[int], vocab_size: int | None, param: str) -> None:
         raise bad_param(param, f"token id {bad[0]} is out of range (must be {limit})")
 
 
+def logit_bias(req: _Common, vocab_size: int | None) -> dict[int, float]:
+    """`logit_bias` with token ids as ints (keys are JSON strings), or 400 naming the parameter."""
+    out: dict[int, float] = {}
+    for key, value in (req.logit_bias or {}).items():
+        text = key.strip()
+        if not (text.isascii() and text.isdigit()):
+            raise bad_param("logit_bias", f"`logit_bias` keys must be token ids, got {key!r}")
+        token = int(text)
+        if vocab_size is not None and token >= vocab_size:
+            raise bad_param("logit_bias", f"`logit_bias` token id {token} is out of range (must be < {vocab_size})")
+        out[token] = float(value)
+    return out
+
+
 def sampling_params(req: _Common, max_tokens: int | None, max_param: str, prompt_len: int,
                     prompt_param: str, max_model_len: int | None, defaults: dict[str, float | int],
-                    vocab_size: int | None) -> SamplingParams:
+                    vocab_size: int | None, logprobs: int | None = None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """The engine's SamplingParams: max_tokens defaults to what the context leaves; the prompt plus
-    max_tokens must fit in MAX_MODEL_LEN (400 naming both numbers otherwise, as vLLM does)."""
+    max_tokens must fit in MAX_MODEL_LEN (400 naming both numbers otherwise, as vLLM does). DEFAULTS
+    (generation_config.json's) fill the sampling fields a request leaves out."""
     if max_model_len is not None:
         if prompt_len >= max_model_len:
             raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, "
@@ -235,27 +262,53 @@ def sampling_params(req: _Common, max_tokens: int | None, max_param: str, prompt
                            param=max_param, code="context_length_exceeded")
     if max_tokens is None:
         raise bad_param(max_param, f"`{max_param}` is required until the engine reports its context length")
+    if req.min_tokens is not None and req.min_tokens > max_tokens:
+        raise bad_param("min_tokens", f"`min_tokens` ({req.min_tokens}) must not exceed `{max_param}` ({max_tokens})")
     check_token_ids(req.stop_token_ids or [], vocab_size, "stop_token_ids")
-    top_k = req.top_k if req.top_k is not None else int(defaults.get("top_k", 0))
-    temperature = req.temperature if req.temperature is not None else float(defaults.get("temperature", 1.0))
+
+    def pick(name: str, fallback: float) -> float:
+        value = getattr(req, name)
+        return value if value is not None else defaults.get(name, fallback)
+
     return SamplingParams(
-        max_tokens=max_tokens, temperature=temperature,
-        top_p=req.top_p if req.top_p is not None else float(defaults.get("top_p", 1.0)),
-        top_k=max(top_k, 0),  # -1 and 0 both mean disabled; the engine uses 0
-        seed=req.seed, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos)
+        max_tokens=max_tokens, temperature=float(pick("temperature", 1.0)), top_p=float(pick("top_p", 1.0)),
+        top_k=max(int(pick("top_k", 0)), 0),  # -1 and 0 both mean disabled; the engine uses 0
+        seed=req.seed, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
+        n=req.n or 1, min_p=float(pick("min_p", 0.0)),
+        presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=float(pick("repetition_penalty", 1.0)), logit_bias=logit_bias(req, vocab_size),
+        min_tokens=req.min_tokens or 0, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
 
 def read_generation_config(model_dir: str | Path) -> dict[str, float | int]:
-    """Sampling defaults (temperature / top_p / top_k) from MODEL_DIR/generation_config.json.
-
-    They apply only when `do_sample` is true, as in transformers; {} if the file is absent. (Its eos ids
-    are the engine's business: hotstart.config merges them into the model's eos_token_ids.)
+    """Sampling defaults from MODEL_DIR/generation_config.json: the fields of GENERATION_CONFIG_FIELDS it
+    sets, as vLLM's `--generation-config auto` reads them (whatever `do_sample` says: a server samples
+    unless told temperature 0); values out of their API range are left out. {} if the file is absent.
+    (Its eos ids are the engine's business: hotstart.config merges them into the model's eos_token_ids.)
     """
     try:
         cfg = json.loads((Path(model_dir) / "generation_config.json").read_text())
     except (OSError, ValueError):
         return {}
-    if not isinstance(cfg, dict) or not cfg.get("do_sample"):
+    if not isinstance(cfg, dict):
         return {}
-    return {k: cfg[k] for k in ("temperature", "top_p", "top_k")
-            if isinstance(cfg.get(k), (int, float)) and not isinstance(cfg.get(k), bool)}
+    ok = {"temperature": lambda v: 0 <= v <= 2, "top_p": lambda v: 0 < v <= 1, "top_k": lambda v: v >= -1,
+          "min_p": lambda v: 0 <= v <= 1, "repetition_penalty": lambda v: v > 0}
+    out = {}
+    for k in GENERATION_CONFIG_FIELDS:
+        v = cfg.get(k)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and ok[k](v):
+            out[k] = int(v) if k == "top_k" else float(v)
+    return out
+
+
+def sampling_defaults(model_dir: str | Path, mode: str = "auto") -> dict[str, float | int]:
+    """`--generation-config MODE` (auto | none): the defaults to apply, logged once when there are any."""
+    if mode != "auto":
+        return {}
+    defaults = read_generation_config(model_dir)
+    if defaults:
+        shown = ", ".join(f"{k}={v}" for k, v in defaults.items())
+        log.info("hotstart: sampling defaults from generation_config.json: %s (--generation-config none: off)",
+                 shown)
+    return defaults

@@ -98,6 +98,41 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text as logprobs show it: special tokens included, a piece of a character as
+        U+FFFD (as vLLM shows them)."""
+        texts = self.__dict__.setdefault("_token_texts", {})
+        text = texts.get(token_id)
+        if text is None:
+            text = texts[token_id] = self._backend.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's raw UTF-8 bytes (OpenAI's logprobs `bytes`): a byte-level BPE piece or a <0xNN> byte
+        token may be part of a character."""
+        cache = self.__dict__.setdefault("_token_bytes", {})
+        raw = cache.get(token_id)
+        if raw is None:
+            raw = cache[token_id] = self._raw_bytes(token_id)
+        return raw
+
+    def _raw_bytes(self, token_id: int) -> bytes:
+        piece = self._backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._backend.get_added_tokens_decoder():
+            return piece.encode()
+        if type(self._backend.decoder).__name__ == "ByteLevel":
+            table = _byte_level_decoder()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return piece.replace("\u2581", " ").encode()
+
     @property
     def has_chat_template(self) -> bool:
         return bool(self._templates)
@@ -218,6 +253,24 @@ class IncrementalDetokenizer:
         self._prefix_text = None
         self._parts.append(delta)
         return delta
+
+
+_BYTE_LEVEL: dict[str, int] = {}
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2 byte-level BPE's alphabet: printable character -> the byte it stands for."""
+    if not _BYTE_LEVEL:
+        keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                *range(ord("\xae"), ord("\xff") + 1)]
+        extra = 0
+        for b in range(256):
+            if b in keep:
+                _BYTE_LEVEL[chr(b)] = b
+            else:
+                _BYTE_LEVEL[chr(256 + extra)] = b
+                extra += 1
+    return _BYTE_LEVEL
 
 
 def _read_json_object(path: Path) -> dict:
