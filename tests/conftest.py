@@ -28,6 +28,17 @@ def private_runtime_dir():
     shutil.rmtree(d, ignore_errors=True)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_background_compiles():
+    """Servers of the suite build the eager fast path (packed weights) but compile no graphs: a compile
+    worker in every short-lived test server would only compete for the CPU. tests/test_fastpath.py
+    turns compiling on where it tests it."""
+    import os
+
+    os.environ.setdefault("HOTSTART_COMPILE", "eager-only")
+    yield
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     from hotstart.boot.default_model import ensure_default_model
