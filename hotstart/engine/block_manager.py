@@ -39,8 +39,10 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.ref = [0] * (num_blocks + 1)
         self.hash_of: list[bytes | None] = [None] * (num_blocks + 1)
-        # block id -> None, in hand-out order (popitem(last=False) is the next one)
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks + 1))
+        # freed blocks (id -> None) in hand-out order: those without a hash at the front, then cached ones
+        # least recently freed first; ids from _fresh on were never handed out (no O(blocks) setup)
+        self._free: OrderedDict[int, None] = OrderedDict()
+        self._fresh = 1
         self._cached: dict[bytes, int] = {}  # full-block hash -> block id holding that content
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst), for the runner
         self.cache_queries = 0  # tokens of admitted sequences looked up in the prefix cache
@@ -48,11 +50,11 @@ class BlockManager:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + self.num_blocks + 1 - self._fresh
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
 
     @property
     def num_cached(self) -> int:
@@ -109,15 +111,20 @@ class BlockManager:
         return need + revived + self._cow_needed(seq)
 
     def can_allocate(self, seq: Sequence, num_tokens: int, hits: Seq[int] = ()) -> bool:
-        return self.blocks_needed(seq, num_tokens, hits) <= len(self._free)
+        return self.blocks_needed(seq, num_tokens, hits) <= self.num_free
 
     def _pop_free(self) -> int:
-        block, _ = self._free.popitem(last=False)
-        h = self.hash_of[block]
-        if h is not None:  # evict: its content is about to be overwritten
-            if self._cached.get(h) == block:
-                del self._cached[h]
-            self.hash_of[block] = None
+        block = next(iter(self._free)) if self._free else None
+        if block is None or (self.hash_of[block] is not None and self._fresh <= self.num_blocks):
+            block = self._fresh  # never used before: preferred to evicting a cached block
+            self._fresh += 1
+        else:
+            del self._free[block]
+            h = self.hash_of[block]
+            if h is not None:  # evict: its content is about to be overwritten
+                if self._cached.get(h) == block:
+                    del self._cached[h]
+                self.hash_of[block] = None
         self.ref[block] = 1
         return block
 
@@ -125,8 +132,8 @@ class BlockManager:
         """Give SEQ blocks for NUM_TOKENS tokens in total. HITS (from lookup(), for a sequence holding
         no blocks) become its first blocks and its computed tokens."""
         need = self.blocks_needed(seq, num_tokens, hits)
-        if need > len(self._free):
-            raise RuntimeError(f"KV cache: {need} blocks needed, {len(self._free)} free")
+        if need > self.num_free:
+            raise RuntimeError(f"KV cache: {need} blocks needed, {self.num_free} free")
         if hits:
             for b in hits:
                 if self.ref[b] == 0:
