@@ -63,6 +63,8 @@ def _add_make_model(sub) -> None:
                    help="llama: 1b 3b 8b; qwen2: 0.5b 1.5b 3b 7b; qwen3: 0.6b 1.7b 4b 8b; any: tiny "
                         "(or give the dimensions below)")
     p.add_argument("--out", required=True, help="folder to create (must not exist or be empty)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="folder whose tokenizer files the checkpoint gets (default: the embedded model's)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--shard-size", default="2GB", help="largest shard, e.g. 2GB, 500MB, 1GiB (default 2GB)")
     p.add_argument("--seed", type=int, default=0)

@@ -246,7 +246,9 @@ def run_make_model(args: argparse.Namespace) -> int:
     out = Path(args.out).expanduser().resolve()
     shard_limit = parse_size(args.shard_size)
     _prepare_out(out)
-    tok_dir = _default_tokenizer_dir()
+    tok_dir = Path(args.tokenizer).expanduser() if getattr(args, "tokenizer", None) else _default_tokenizer_dir()
+    if not (tok_dir / "tokenizer.json").is_file() or not (tok_dir / "config.json").is_file():
+        raise HotstartError(f"--tokenizer {tok_dir}: needs tokenizer.json and config.json")
     src_cfg = json.loads((tok_dir / "config.json").read_text())
     special = {k: src_cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in src_cfg}
     cfg = build_config(args, tokenizer_vocab(tok_dir / "tokenizer.json"), special)
