@@ -32,6 +32,9 @@ from hotstart.forkserver.runtime import (
 from hotstart.messages import ServerInfo, Span
 
 REPO = Path(__file__).resolve().parent.parent
+# The fast path's compile worker behind READY is another engineer's subject: off, so these servers do
+# only what the zygote changes (and on two cores a compile beside them would slow every request).
+ARGS = ("--max-model-len", "512", "--compile", "off")
 QUESTION = {"model": "SmolLM2-135M-Instruct", "temperature": 0, "max_tokens": 24,
             "messages": [{"role": "user", "content": "Name three colours of the rainbow."}]}
 
@@ -111,7 +114,7 @@ def test_zygote_serves_the_same_answers_and_leaves_nothing(default_model_dir, ru
     env = {"HOTSTART_RUNTIME_DIR": rundir}
 
     audit = tmp_path / "audit.json"
-    s = Server("--max-model-len", "512", env={**env, "HOTSTART_AUDIT_IMPORTS": str(audit)})
+    s = Server(*ARGS, env={**env, "HOTSTART_AUDIT_IMPORTS": str(audit)})
     engines = zygote.children()
     try:
         assert "zygote used" in s.output and not _forkservers(s), s.output
@@ -128,7 +131,7 @@ def test_zygote_serves_the_same_answers_and_leaves_nothing(default_model_dir, ru
     report = json.loads(audit.read_text())
     assert report["torch_imported"] is False and report["off_main_thread"] == []
 
-    s = Server("--max-model-len", "512", "--zygote", "off", env=env)
+    s = Server(*ARGS, "--zygote", "off", env=env)
     try:
         assert "zygote" not in s.output and len(_forkservers(s)) == 1 and not zygote.children()
         assert _answer(s.url) == with_zygote  # greedy: the same tokens either way
@@ -136,7 +139,7 @@ def test_zygote_serves_the_same_answers_and_leaves_nothing(default_model_dir, ru
     finally:
         s.stop()
 
-    s = Server("--max-model-len", "512", env=env)
+    s = Server(*ARGS, env=env)
     engines = zygote.children()
     assert len(engines) == 1 and _answer(s.url) == with_zygote
     s.kill()  # SIGKILL: nothing of the server runs any cleanup
@@ -155,7 +158,7 @@ def test_a_zygote_of_another_version_is_ignored(default_model_dir, rundir):
     out = _zygote(rundir, "start", env={"HOTSTART_ZYGOTE_TEST_VERSION": "0.0.0-other"})
     assert out.returncode == 0, out.stdout + out.stderr
     zygote = psutil.Process(_info(rundir).pid)
-    s = Server("--max-model-len", "512", env={"HOTSTART_RUNTIME_DIR": rundir})
+    s = Server(*ARGS, env={"HOTSTART_RUNTIME_DIR": rundir})
     try:
         line = next(line for line in s.lines if "zygote not used" in line)
         assert "version mismatch (zygote: hotstart 0.0.0-other" in line, line
@@ -173,7 +176,7 @@ def test_a_zygote_killed_mid_start_is_replaced_by_a_local_forkserver(default_mod
     out = _zygote(rundir, "start")
     assert out.returncode == 0, out.stdout + out.stderr
     zygote = psutil.Process(_info(rundir).pid)
-    s = Launched.launch([sys.executable, "-m", "hotstart", "serve", "--port", "0", "--max-model-len", "512"],
+    s = Launched.launch([sys.executable, "-m", "hotstart", "serve", "--port", "0", *ARGS],
                         env={**os.environ, "HOTSTART_RUNTIME_DIR": rundir}, tag="serve", pdeathsig=False)
     try:
         deadline = time.monotonic() + 30
@@ -194,6 +197,30 @@ def test_a_zygote_killed_mid_start_is_replaced_by_a_local_forkserver(default_mod
     out = _zygote(rundir, "status")
     assert out.returncode == 3 and "stale socket removed" in out.stdout, out.stdout
     assert not os.path.exists(paths(rundir).sock)
+
+
+def test_a_zygote_killed_while_serving_is_replaced_by_a_local_forkserver(default_model_dir, rundir):
+    out = _zygote(rundir, "start")
+    assert out.returncode == 0, out.stdout + out.stderr
+    zygote = psutil.Process(_info(rundir).pid)
+    s = Server(*ARGS, env={"HOTSTART_RUNTIME_DIR": rundir})
+    try:
+        before = _answer(s.url)
+        engine = zygote.children()[0]
+        zygote.kill()
+        assert _wait_gone(engine.pid, 10), "the engine outlived its zygote"
+        saw_503, deadline = False, time.monotonic() + 60
+        while time.monotonic() < deadline:  # the forkserver-death path: 503, then a local forkserver
+            code = httpx.get(s.url + "/health").status_code
+            saw_503 |= code == 503
+            if code == 200 and saw_503:
+                break
+            time.sleep(0.05)
+        assert saw_503 and code == 200, s.output
+        assert _answer(s.url) == before and len(_forkservers(s)) == 1
+        assert "hotstart: zygote exited" in s.output and "Traceback" not in s.output, s.output
+    finally:
+        s.stop()
 
 
 def test_runtime_folder_owner_and_mode_are_checked(tmp_path, monkeypatch):

@@ -128,7 +128,10 @@ class EngineLauncher:
         if self._sock is not None:
             from hotstart.framing import send  # noqa: PLC0415
 
-            send(self._sock, SpawnEngine(self.generation, cfg, addresses, world_size))
+            try:
+                send(self._sock, SpawnEngine(self.generation, cfg, addresses, world_size))
+            except OSError:  # the server is gone (a stopped zygote): poll_events reports its EOF
+                pass
             return
         start = time.time()
         payload = msgspec.json.encode(cfg).decode()
