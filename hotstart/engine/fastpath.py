@@ -35,6 +35,7 @@ from hotstart.system import cpu_flags, hotstart_home, mem_available
 
 PACK_RAM_FRACTION = 0.5  # pack only if the packed copy takes at most this share of MemAvailable
 REPORT_EVERY_S = 1.0  # step counts are resent at most this often
+TICK_IDLE_S = 0.01  # work per tick while the engine is idle (busy: one layer's packing, ~1 ms)
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16", "amx_tile", "fma")
 
 
@@ -108,15 +109,19 @@ class FastPath:
         return ""
 
     # ---- the loop's hook ---------------------------------------------------------------------
+    def packing_left(self) -> bool:
+        return bool(self._todo)
+
     def busy(self) -> bool:
         """Work is left (the engine's idle wait should stay short)."""
         return bool(self._todo) or self.proc is not None
 
     def tick(self, idle: bool) -> None:
-        """Called between steps: a bounded amount of work (all of the packing when IDLE)."""
+        """Called between steps: a bounded amount of work (a few ms), more while IDLE, so a request that
+        arrives meanwhile waits at most that long."""
         try:
             if self._todo:
-                self._pack(len(self._todo) if idle else 1)
+                self._pack(TICK_IDLE_S if idle else 0.0)
             elif self.compile == "" and self.folder is None:
                 self._start_compiling()
             if self.proc is not None:
@@ -134,12 +139,16 @@ class FastPath:
             self.proc = None
 
     # ---- packing -----------------------------------------------------------------------------
-    def _pack(self, layers: int) -> None:
-        for _ in range(min(layers, len(self._todo))):
+    def _pack(self, budget_s: float) -> None:
+        """Pack one layer, then more while BUDGET_S lasts."""
+        end = time.perf_counter() + budget_s
+        while self._todo:
             layer = self.model.model.layers[self._todo.pop(0)]
             for m in layer.modules():
                 if isinstance(m, Linear) and m.packed is None:
                     m.packed = packed.pack(m.weight)
+            if time.perf_counter() >= end:
+                break
         if not self._todo:
             if self.model.lm_head_packed is None:
                 self.model.lm_head_packed = packed.pack(self.model.output_weight())
