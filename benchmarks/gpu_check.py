@@ -177,7 +177,8 @@ class Check:
         from hotstart.model.files import sidecar_files, weight_files  # noqa: PLC0415
 
         self.weights = weight_files(self.model)
-        self.cold = ev.build_cold_sets(self.weights + sidecar_files(self.model), [sys.executable], [str(REPO / "hotstart")])
+        self.cold = ev.build_cold_sets(self.weights + sidecar_files(self.model),
+                                       {"hotstart": (sys.executable, [str(REPO / "hotstart")], [])})
         return {"model": str(self.model), "bytes": sum(p.stat().st_size for p in self.weights),
                 "files": len(self.weights)}
 
