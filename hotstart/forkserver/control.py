@@ -25,6 +25,7 @@ from hotstart.errors import HotstartError
 from hotstart.forkserver.runtime import Identity, Paths, connect, ensure_private_dir, mismatch, paths
 
 START_TIMEOUT_S = 120.0
+KEEP_READ_BPS = 50e6  # the slowest storage worth waiting for while --keep reads the files in
 STOP_TIMEOUT_S = 10.0
 QUERY_TIMEOUT_S = 5.0
 SUN_PATH_MAX = 107
@@ -227,7 +228,8 @@ def cmd_start(args) -> int:
                                   "--lock", p.lock, "--cwd", os.getcwd(), "--keep-json", json.dumps(keep)])
     t = time.monotonic()
     proc = spawn(p, keep)
-    info = wait_ready(p, proc)
+    kept_bytes = sum(os.path.getsize(f) for _, files in keep for f in files)
+    info = wait_ready(p, proc, START_TIMEOUT_S + kept_bytes / KEEP_READ_BPS)  # --keep reads it all first
     _, st = query(p)
     print(f"hotstart zygote: started, pid {info.pid}, ready in {time.monotonic() - t:.2f} s "
           f"(torch {info.torch_version}); socket {p.sock}, log {p.log}")
