@@ -26,8 +26,9 @@ import pytest
 from util import Server
 
 from hotstart.forkserver import keep as keeping
+from hotstart.forkserver.control import query
 from hotstart.forkserver.runtime import (
-    Identity, check_private_dir, connect, mismatch, paths, peer_problem, probe,
+    Identity, Paths, check_private_dir, connect, mismatch, paths, peer_problem, probe,
 )
 from hotstart.messages import ServerInfo, Span
 
@@ -59,12 +60,16 @@ def _zygote(rundir: str, *args: str, env: dict | None = None, cwd: str | None = 
 
 @pytest.fixture
 def rundir():
+    """A private runtime folder; whatever zygote is left in it (of any interpreter or checkout: a
+    failed test's) is stopped afterwards."""
     d = tempfile.mkdtemp(prefix="hz-")  # short: a Unix socket path has at most 107 bytes
     yield d
-    info = _info(d)
-    _zygote(d, "stop", timeout=30)
-    if info is not None:
-        _wait_gone(info.pid)
+    for name in os.listdir(d):
+        if name.endswith(".sock"):
+            base = os.path.join(d, name.removesuffix(".sock"))
+            info, _ = query(Paths(d, base + ".sock", base + ".lock", base + ".log"), stop=True)
+            if info is not None and not _wait_gone(info.pid):
+                os.kill(info.pid, 9)
     shutil.rmtree(d, ignore_errors=True)
 
 
