@@ -46,7 +46,7 @@ class EngineLauncher:
         self.zygote = zygote if self.use_forkserver else "off"  # "auto": use a matching zygote if one runs
         self.zygote_pid: int | None = None  # the zygote in use (None: a local forkserver, or none)
         self.zygote_lost = False  # the zygote in use died or refused: its replacement is local
-        self.spans: list = []  # Spans for the startup timeline (zygote used or not, and why)
+        self.spans: list[tuple[str, float, float, str]] = []  # (name, start, end, detail) for the timeline
         self._lifeline: int | None = None  # write end of the pipe whose EOF ends the zygote's engines
         self.last_lost = "forkserver"  # what the latest ForkserverExited was: "forkserver" or "zygote"
         # Private folder for the engine's zmq ipc sockets: unique per server, so two run side by side.
@@ -92,12 +92,10 @@ class EngineLauncher:
             except OSError as e:
                 found.sock.close()
                 found.sock, found.note = None, f"it did not take the engine context ({e.strerror or e})"
-        from hotstart.messages import Span  # noqa: PLC0415 - loaded by the probe, or cheap next to a launch
-
-        if found.sock is None:
-            self.spans.append(Span("zygote not used", found.start, found.end, "api", found.note))
+        if found.sock is None:  # (no Span here: msgspec is not imported before the forkserver's launch)
+            self.spans.append(("zygote not used", found.start, found.end, found.note))
             return False
-        self.spans.append(Span("zygote used", found.start, time.time(), "api", found.note))
+        self.spans.append(("zygote used", found.start, time.time(), found.note))
         found.sock.setblocking(False)
         self._sock, self._reader, self.zygote_pid = found.sock, None, found.info.pid
         return True

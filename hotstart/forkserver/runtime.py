@@ -20,7 +20,6 @@ import stat
 import struct
 import sys
 import time
-from dataclasses import dataclass, field
 
 # An idle zygote answers in ~1 ms; this bounds what a busy or stopped one can cost (HOTSTART_ZYGOTE_ANSWER_MS)
 ANSWER_S = 0.1
@@ -32,12 +31,14 @@ IMPORT_ENV_NAMES = ("LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHONPATH", "PYTHONHOME")
 LAZY_ENV_NAMES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 
-@dataclass(frozen=True)
 class Paths:
-    dir: str
-    sock: str
-    lock: str
-    log: str
+    """A runtime folder and one zygote's files in it. (Plain classes here, not dataclasses: this module
+    is imported before the forkserver's launch, and every millisecond there is on every start.)"""
+
+    __slots__ = ("dir", "sock", "lock", "log")
+
+    def __init__(self, dir: str, sock: str, lock: str, log: str):  # noqa: A002
+        self.dir, self.sock, self.lock, self.log = dir, sock, lock, log
 
 
 def hotstart_dir() -> str:
@@ -136,17 +137,13 @@ def torch_on_disk() -> tuple[str, str]:
     return folder, m.group(1) if m else ""
 
 
-@dataclass
 class Identity:
     """What a usable zygote must match: this process's user, hotstart, interpreter and torch."""
 
-    uid: int
-    hotstart_version: str
-    hotstart_path: str
-    python: str
-    torch_path: str
-    torch_version: str
-    import_env: dict[str, str] = field(default_factory=dict)
+    def __init__(self, uid: int, hotstart_version: str, hotstart_path: str, python: str, torch_path: str,
+                 torch_version: str, import_env: dict[str, str]):
+        self.uid, self.hotstart_version, self.hotstart_path, self.python = uid, hotstart_version, hotstart_path, python
+        self.torch_path, self.torch_version, self.import_env = torch_path, torch_version, import_env
 
     @classmethod
     def here(cls) -> Identity:
@@ -179,15 +176,11 @@ def mismatch(info, want: Identity) -> str | None:
     return None
 
 
-@dataclass
 class Probe:
     """The outcome of looking for a zygote: SOCK and INFO when one may be used, NOTE either way."""
 
-    start: float
-    end: float
-    note: str
-    sock: socket.socket | None = None
-    info: object = None
+    def __init__(self, start: float, end: float, note: str, sock: socket.socket | None = None, info=None):
+        self.start, self.end, self.note, self.sock, self.info = start, end, note, sock, info
 
 
 def connect(path: str, timeout: float) -> tuple[socket.socket | None, object, str]:

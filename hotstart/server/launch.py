@@ -74,8 +74,8 @@ def run_serve(args: argparse.Namespace, cfg: ServeConfig, t0: float, launcher: E
     logging.basicConfig(level=getattr(logging, cfg.log_level.upper()), format="%(message)s", stream=sys.stderr)
     timeline = Timeline(t0)
     timeline.on_event = lambda span: log.info(timeline.log_line(span))  # one log line per phase
-    for span in launcher.spans:  # the zygote: used, or why not
-        timeline.record(span)
+    for name, start, end, detail in launcher.spans:  # the zygote: used, or why not
+        timeline.add(name, start, end, "api", detail)
     if launcher.started_at is not None:
         timeline.add("forkserver launched", t0, launcher.started_at)
     prefetcher = cursor = None
