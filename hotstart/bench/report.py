@@ -8,6 +8,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+COST_GOAL = 1.15  # the start's own cost (t_first - t_repeat) against the floor: the goal's column
+
 
 def progress_line(rec: dict, rnd: int, runs: int, width: int) -> str:
     """One line per finished run or floor measurement."""
@@ -17,9 +19,12 @@ def progress_line(rec: dict, rnd: int, runs: int, width: int) -> str:
         extra = f"  {rec['gbps']:.2f} GB/s" if "gbps" in rec else ""
         return f"{head} {'floor: ' + rec['what']:<{width + 8}} {rec['seconds']:7.2f} s{extra}  resident: {res}"
     if rec["ok"]:
-        what = f"health {rec['t_health']:6.2f} s  first {rec['t_first']:6.2f} s  repeat {rec.get('t_repeat', 0):5.2f} s"
+        what = (f"health {rec['t_health']:6.2f} s  first {rec['t_first']:6.2f} s  repeat {rec.get('t_repeat', 0):5.2f} s"
+                f"  answer {rec['answer'][:48]!r}")
     else:
         what = f"FAILED: {rec.get('error', '?')}"
+    if rec.get("vllm_cache_added"):
+        what += f"  (compiled: +{rec['vllm_cache_added']} files in vLLM's cache)"
     left = rec.get("stop", {}).get("leftover")
     line = f"{head} {rec['config']:<{width + 8}} {what}  resident: {res}" + (f"  LEFTOVER {left}" if left else "")
     err = (rec.get("stderr_tail") or "").splitlines()[-3:]
@@ -33,36 +38,67 @@ def _stats(xs: list[float]) -> dict:
             "stdev": statistics.stdev(xs) if len(xs) > 1 else 0.0, "n": len(xs)}
 
 
+def answers(data: dict) -> dict:
+    """Per config: how many runs, and each distinct answer with its count (warm-up runs included;
+    a wrong answer of a failed run too)."""
+    out: dict = {}
+    for r in data["runs"]:
+        a = out.setdefault(r["config"], {"runs": 0, "answers": {}})
+        a["runs"] += 1
+        if r.get("answer") is not None:
+            a["answers"][r["answer"]] = a["answers"].get(r["answer"], 0) + 1
+    return out
+
+
+def _round_floors(data: dict, mode: str) -> dict[int, float]:
+    """Round -> max(import, read) of that round (both measured and ok)."""
+    per: dict[int, dict] = {}
+    for f in data["floor"]:
+        if f["mode"] == mode and f["ok"] and not f["warmup"]:
+            per.setdefault(f["round"], {})[f["what"]] = f["seconds"]
+    return {rnd: max(v.values()) for rnd, v in per.items() if len(v) == 2}
+
+
 def summarize(data: dict) -> list[dict]:
     """Rows per (mode, config) and floor rows, from the measured (non-warm-up) runs."""
     rows: list[dict] = []
     configs = [c["label"] for c in data["meta"]["configs"]]
+    peer_labels = [c["label"] for c in data["meta"]["configs"] if c["kind"] == "peer" and not c.get("first_start")]
     for mode in data["meta"]["modes"]:
         fl = {w: _stats([f["seconds"] for f in data["floor"] if f["mode"] == mode and f["what"] == w
                          and f["ok"] and not f["warmup"]]) for w in ("import_torch", "read_weights")}
         floor = max((s["median"] for s in fl.values() if s), default=None)
-        first_ref = None
+        by_round = _round_floors(data, mode)
+        mode_rows = []
         for label in configs:
             runs = [r for r in data["runs"] if r["mode"] == mode and r["config"] == label and not r["warmup"]
                     and not r.get("interrupted")]
+            if not runs and label != configs[0]:
+                continue  # e.g. the vLLM first start outside its mode
             ok = [r for r in runs if r["ok"]]
-            row = {"mode": mode, "config": label, "n": len(runs), "ok": len(ok),
-                   "health": _stats([r["t_health"] for r in ok]), "first": _stats([r["t_first"] for r in ok]),
-                   "repeat": _stats([r["t_repeat"] for r in ok if "t_repeat" in r]),
-                   "errors": sorted({r.get("error", "") for r in runs if not r["ok"]}),
-                   "leftover": sum(len(r.get("stop", {}).get("leftover", [])) for r in runs)}
-            med = row["first"].get("median")
-            if first_ref is None and label == configs[0]:
-                first_ref = med
-            row["x_first_config"] = med / first_ref if med and first_ref else None
-            row["x_floor"] = med / floor if med and floor else None
-            rows.append(row)
+            costs = [r for r in ok if "t_repeat" in r]
+            ratios = [(r["t_first"] - r["t_repeat"]) / by_round[r["round"]] for r in costs if by_round.get(r["round"])]
+            mode_rows.append({
+                "mode": mode, "config": label, "n": len(runs), "ok": len(ok),
+                "health": _stats([r["t_health"] for r in ok]), "first": _stats([r["t_first"] for r in ok]),
+                "repeat": _stats([r["t_repeat"] for r in costs]),
+                "start_cost": _stats([r["t_first"] - r["t_repeat"] for r in costs]),
+                "cost_x_floor": statistics.median(ratios) if ratios else None,
+                "errors": sorted({r.get("error", "") for r in runs if not r["ok"]}),
+                "leftover": sum(len(r.get("stop", {}).get("leftover", [])) for r in runs)})
+        med = {r["config"]: r["first"].get("median") for r in mode_rows}
+        for row in mode_rows:
+            m = row["first"].get("median")
+            row["x_first_config"] = _ratio(m, med.get(configs[0]))
+            row["x_floor"] = _ratio(m, floor)
+            row["x_peers"] = {p: _ratio(m, med.get(p)) for p in peer_labels}
+        rows += mode_rows
         for what, s in fl.items():
             if s:
                 gb = [f["gbps"] for f in data["floor"] if f["mode"] == mode and f["what"] == what and not f["warmup"]
                       and "gbps" in f]
                 name = "floor: import torch" if what == "import_torch" else \
-                    f"floor: read weights ({statistics.median(gb):.2f} GB/s)"
+                    "floor: read weights" + (f" ({statistics.median(gb):.2f} GB/s)" if gb else "")
                 rows.append({"mode": mode, "config": name, "n": s["n"], "ok": s["n"], "health": {}, "first": s,
                              "floor_part": what})
         if floor is not None:
@@ -74,24 +110,64 @@ def summarize(data: dict) -> list[dict]:
     return rows
 
 
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
 def _f(x, fmt="{:.2f}") -> str:
     return "" if x is None else fmt.format(x)
 
 
-def format_table(rows: list[dict]) -> str:
-    """A markdown table, seconds from launch: health = /health 200, first = first verified completion,
-    repeat = the same request sent again right after (its own compute, warm)."""
-    head = ("| mode | config | ok | health med | min | max | sd | first med | min | max | sd "
-            "| x first config | x floor | repeat med |")
-    lines = [head, "|" + "---|" * 14]
+def vllm_cache_line(meta: dict, runs: list[dict] = ()) -> str:
+    """"vLLM compile cache warm: yes/no (N files ...)", and which vLLM runs compiled anyway: its cache is
+    keyed by the model's path and the config, so a new model folder compiles once (a warm-up absorbs it)."""
+    c = meta.get("vllm_compile_cache")
+    if not c:
+        return ""
+    line = (f"vLLM compile cache warm: {'yes' if c['warm'] else 'no'} ({c['files']} files in {c['path']}; "
+            "kept: never evicted)")
+    grew = [f"{r['config']} {'warm-up' if r['warmup'] else 'run'} {r['round'] if r['warmup'] else r['round'] + 1} "
+            f"{r['mode']} (+{r['vllm_cache_added']} files)" for r in runs if r.get("vllm_cache_added")]
+    return line + ("; runs that compiled anyway (no entry for this model path yet): " + ", ".join(grew) if grew else "")
+
+
+def format_table(rows: list[dict], data: dict | None = None) -> str:
+    """Two markdown tables. Seconds from launch: health = /health 200, first = first verified completion,
+    repeat = the same request sent again right after (its own compute, warm), start cost = first - repeat
+    (median of the per-run differences). Ratios: start cost / floor (median of per-round ratios, the
+    floor max(import, read) of the same round), and median first against the first config, the floor
+    and each peer."""
+    meta = (data or {}).get("meta", {})
+    peer_labels = [c["label"] for c in meta.get("configs", []) if c["kind"] == "peer" and not c.get("first_start")]
+    cache = vllm_cache_line(meta, (data or {}).get("runs", []))
+    lines = [cache, ""] if cache else []
+    lines += ["Seconds from launch:", "",
+              ("| mode | config | ok | health med | min | max | sd | first med | min | max | sd | repeat med "
+               "| start cost med |"), "|" + "---|" * 13]
     for r in rows:
         h, f = r["health"], r["first"]
         ok = f"{r['ok']}/{r['n']}" if "floor_part" not in r else ""
         lines.append("| " + " | ".join([
             r["mode"], r["config"], ok, _f(h.get("median")), _f(h.get("min")), _f(h.get("max")), _f(h.get("stdev")),
             _f(f.get("median")), _f(f.get("min")), _f(f.get("max")), _f(f.get("stdev")),
+            _f(r.get("repeat", {}).get("median")), _f(r.get("start_cost", {}).get("median"))]) + " |")
+    lines += ["", "Ratios (start cost = first - repeat; floor = max(import, read) of the same round):", "",
+              f"| mode | config | start cost / floor | <= {COST_GOAL}x | first / first config | first / floor | "
+              + "".join(f"first / {p} | " for p in peer_labels).rstrip(),
+              "|" + "---|" * (6 + len(peer_labels))]
+    for r in rows:
+        if "floor_part" in r:
+            continue
+        cx = r.get("cost_x_floor")
+        lines.append("| " + " | ".join([
+            r["mode"], r["config"], _f(cx, "{:.2f}x"), "" if cx is None else ("yes" if cx <= COST_GOAL else "no"),
             _f(r.get("x_first_config"), "{:.2f}x"), _f(r.get("x_floor"), "{:.2f}x"),
-            _f(r.get("repeat", {}).get("median"))]) + " |")
+            *(_f(r["x_peers"].get(p), "{:.2f}x") for p in peer_labels)]) + " |")
+    if data is not None:
+        lines += ["", "Answers (every run, warm-up included):", ""]
+        for label, a in answers(data).items():
+            given = "; ".join(f"{text!r} x{n}" for text, n in a["answers"].items()) or "none"
+            lines.append(f"- {label} ({a['runs']} runs): {given}")
     failed = [r for r in rows if r.get("errors")]
     for r in failed:
         lines.append(f"\nFAILED {r['mode']} / {r['config']}: {r['n'] - r['ok']} of {r['n']} runs: "
@@ -127,7 +203,7 @@ def timeline_phases(run: dict) -> list[tuple[str, str, float, float]]:
 def write_reports(data: dict, out: Path) -> str:
     """Write table.md and startup.png into OUT; return the table text."""
     rows = summarize(data)
-    text = format_table(rows)
+    text = format_table(rows, data)
     (out / "table.md").write_text(text + "\n")
     if any(r["first"] for r in rows):
         write_png(data, rows, out / "startup.png")

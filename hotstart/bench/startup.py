@@ -2,8 +2,9 @@
 
 For each round, each cold mode and each config (interleaved, so drift in the machine hits every config
 alike): evict, check residency with mincore, launch on a free port, time /health == 200 (t_health) and a
-verified greedy chat completion (t_first), keep hotstart's /startup timeline, stop the process group
-and check nothing is left. The floor is measured in the same rounds: `python -c "import torch"` and a
+verified greedy chat completion (t_first; hotstart's answer must contain --expect, a peer's
+--expect-peers), then the same request again (t_repeat: t_first - t_repeat is the start's own cost),
+keep hotstart's /startup timeline, stop the process group and check nothing is left. The floor is measured in the same rounds: `python -c "import torch"` and a
 sequential read of the weight files, after the same eviction. results.json is rewritten after every run,
 so Ctrl-C (or a crash) keeps what was measured.
 """
@@ -11,44 +12,28 @@ so Ctrl-C (or a crash) keeps what was measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
 import signal
-import subprocess
 import sys
-import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 # Imported before anything is evicted: an import during a cold run would warm the files it reads.
 import psutil  # noqa: F401 - used by hotstart.bench.process at stop time
 
 from hotstart.bench import evict as ev
-from hotstart.bench import report
+from hotstart.bench import floor, peers, report
+from hotstart.bench import targets as tg
 from hotstart.bench.process import RunFailed, Server, free_port, tail
+from hotstart.bench.targets import Target
 from hotstart.errors import HotstartError
 
 VARIANTS = {"no-prefetch": (["--no-prefetch"], {}), "no-prespawn": (["--no-prespawn"], {}),
             "serial": ([], {"HOTSTART_SERIAL": "1"}),
             "zygote": (["--zygote", "auto"], {})}  # with one zygote started before the runs (bench_zygote)
-READ_BLOCK = 16 << 20
-READ_THREADS = 4
-
-
-@dataclass(frozen=True)
-class Target:
-    """One config: a command template ({port}, {model}) with extra environment."""
-
-    label: str
-    kind: str  # "hotstart" | "peer"
-    argv: tuple[str, ...]
-    env: dict = field(default_factory=dict, hash=False)
-    python: str | None = None  # its interpreter, whose environment "--cold all" evicts
-
-    def command(self, port: int, model: str) -> list[str]:
-        return [a.replace("{port}", str(port)).replace("{model}", model) for a in self.argv]
 
 
 def _hotstart_target(spec: str, model: str | None, extra: list[str]) -> Target:
@@ -67,36 +52,15 @@ def _hotstart_target(spec: str, model: str | None, extra: list[str]) -> Target:
     return Target(spec, "hotstart", tuple(argv + flags + extra), env, sys.executable)
 
 
-def _peer_target(cmd: str) -> Target:
-    try:
-        words = shlex.split(cmd)
-    except ValueError as e:
-        raise HotstartError(f"--peer {cmd!r}: {e}") from None
-    env = {}
-    while words and "=" in words[0] and words[0].split("=", 1)[0].isidentifier():  # leading VAR=value
-        k, v = words.pop(0).split("=", 1)
-        env[k] = v
-    if not words:
-        raise HotstartError(f"--peer {cmd!r}: no command")
-    if not any("{port}" in w for w in words):
-        raise HotstartError(f"--peer {cmd!r}: must contain {{port}} (the harness picks a free port)")
-    label = os.path.basename(words[0])
-    if len(words) > 2 and words[1] == "-m":  # "python -m http.server"
-        label += " -m " + words[2]
-    elif len(words) > 1 and words[1].isalpha():  # "transformers serve"; "sleep 600" stays "sleep"
-        label += " " + words[1]
-    return Target(label, "peer", tuple(words), env, ev.python_of(words[0]))
-
-
 def build_targets(args: argparse.Namespace) -> list[Target]:
     extra = shlex.split(args.hotstart_args or "")
-    specs = args.targets or [("hotstart", "hotstart")]
     targets: list[Target] = []
-    for kind, value in specs:
-        t = _hotstart_target(value, args.model, extra) if kind == "hotstart" else _peer_target(value)
-        n = sum(1 for o in targets if o.label.split(" #")[0] == t.label)
-        targets.append(Target(f"{t.label} #{n + 1}", t.kind, t.argv, t.env, t.python) if n else t)
-    return targets
+    for kind, value, name in args.targets or [("hotstart", "hotstart", None)]:
+        if kind == "hotstart":
+            targets.append(_hotstart_target(value, args.model, extra))
+        else:
+            targets += tg.peer_targets(kind, value, name)
+    return tg.finish(targets, args)
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -104,8 +68,6 @@ def _check_args(args: argparse.Namespace) -> None:
         raise HotstartError(f"--runs must be >= 1, got {args.runs}")
     if args.warmup < 0:
         raise HotstartError(f"--warmup must be >= 0, got {args.warmup}")
-    if not args.timeout > 0:
-        raise HotstartError(f"--timeout must be > 0, got {args.timeout}")
     if args.max_tokens < 1:
         raise HotstartError(f"--max-tokens must be >= 1, got {args.max_tokens}")
 
@@ -116,21 +78,39 @@ class Bench:
     def __init__(self, args, targets: list[Target], model_path: Path, weights: list[Path], out: Path):
         self.args, self.targets, self.model_path, self.weights, self.out = args, targets, model_path, weights, out
         self.modes = list(dict.fromkeys(args.cold or ["all"]))
-        pythons = [t.python for t in targets] + ([sys.executable] if args.floor else [])
-        hotstart_src = [str(Path(__file__).resolve().parents[1])] if any(t.kind == "hotstart" for t in targets) else []
-        self.cold = ev.build_cold_sets(weights, pythons, hotstart_src) if "all" in self.modes else \
-            ev.build_cold_sets(weights, [], [])
+        self.timeout, _ = peers.parse_timeouts(args.timeout)
+        self.gguf = peers.default_gguf() if any(peers.needs_gguf(t.argv) for t in targets) else None
+        own = {os.path.realpath(p) for p in weights}
+        model_files = {t.label: [str(p) for p in peers.model_files(t.command(0, str(model_path), self.gguf))
+                                 if os.path.realpath(p) not in own] for t in targets if t.kind == "peer"}
+        hotstart_src = str(Path(__file__).resolve().parents[1])
+        programs: dict = {}
+        if "all" in self.modes:
+            for t in targets:
+                if t.kind == "hotstart":
+                    programs[t.label] = (t.python, [hotstart_src], [])
+                else:
+                    programs[t.label] = (t.python, [], peers.program_files(list(t.argv), t.env))
+            if args.floor:
+                programs["floor: import torch"] = (sys.executable, [], [])
+        vllm = next((t for t in targets if t.vllm), None)
+        keep = [str(peers.vllm_cache_root(vllm.env))] if vllm else []
+        self.cold = ev.build_cold_sets(weights, programs, [Path(p) for fs in model_files.values() for p in fs], keep)
         self.base_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
         self.runs: list[dict] = []
         self.floor: list[dict] = []
+        configs = [{**t.meta(), "model_files": model_files.get(t.label, []),
+                    "evicted_in_cold_all": self.cold.per_config.get(t.label)} for t in targets]
         self.meta = {
-            "model": str(model_path), "weights_bytes": sum(p.stat().st_size for p in weights),
-            "modes": self.modes, "configs": [{"label": t.label, "kind": t.kind, "argv": list(t.argv), "env": t.env}
-                                             for t in targets],
-            "runs": args.runs, "warmup": args.warmup, "timeout": args.timeout, "expect": args.expect,
-            "prompt": args.prompt, "env_files": len(self.cold.env.paths), "env_bytes": self.cold.env.nbytes,
-            "env_dirs": self.cold.env_dirs, "notes": self.cold.notes, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+            "model": str(model_path), "weights_bytes": sum(p.stat().st_size for p in weights), "gguf": self.gguf,
+            "modes": self.modes, "configs": configs, "runs": args.runs, "warmup": args.warmup,
+            "timeout": self.timeout, "expect": args.expect, "expect_peers": args.expect_peers, "prompt": args.prompt,
+            "max_tokens": args.max_tokens, "env_files": len(self.cold.env.paths), "env_bytes": self.cold.env.nbytes,
+            "env_dirs": self.cold.env_dirs, "peer_weights": self.cold.peer_weights.paths,
+            "never_evicted": self.cold.kept, "notes": self.cold.notes,
+            "vllm_compile_cache": peers.vllm_compile_cache(vllm.env) if vllm else None,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "load1": os.getloadavg()[0]},
         }
         self.interrupted = False
 
@@ -147,35 +127,56 @@ class Bench:
 
     def save(self) -> None:
         data = {"meta": {**self.meta, "interrupted": self.interrupted}, "runs": self.runs, "floor": self.floor}
+        data["answers"] = report.answers(data)
         tmp = self.out / "results.json.tmp"
         tmp.write_text(json.dumps(data, indent=1))
         os.replace(tmp, self.out / "results.json")
 
     def run_server(self, t: Target, mode: str, rnd: int, warm: bool) -> dict:
-        rec = {"config": t.label, "mode": mode, "round": rnd, "warmup": warm, "ok": False, **self.evict(mode)}
+        rec = {"config": t.label, "mode": mode, "round": rnd, "warmup": warm, "ok": False}
+        with contextlib.ExitStack() as stack:
+            env = {**self.base_env, **t.env}
+            if t.first_start:  # an empty vLLM cache root, removed after the server has stopped
+                env.update(stack.enter_context(peers.vllm_first_start()))
+                rec["vllm_cache_root"] = env["VLLM_CACHE_ROOT"]
+            rec.update(self.evict(mode))
+            before = peers.vllm_compile_cache(env)["files"] if t.vllm and not t.first_start else None
+            try:
+                self._run(t, rec, env, rnd, warm)
+            finally:
+                if before is not None:  # files added: it compiled (no entry for this model path / config)
+                    rec["vllm_cache_added"] = peers.vllm_compile_cache(env)["files"] - before
+        return rec
+
+    def _run(self, t: Target, rec: dict, env: dict, rnd: int, warm: bool) -> None:
         port = free_port()
-        argv = t.command(port, str(self.model_path))
-        tag = f"{'w' if warm else 'r'}{rnd}-{mode}-{t.label.replace(' ', '_').replace(':', '_').replace('#', '')}"
+        argv = t.command(port, str(self.model_path), self.gguf)
+        tag = f"{'w' if warm else 'r'}{rnd}-{rec['mode']}-" + "".join(c if c.isalnum() or c in "-." else "_"
+                                                                       for c in t.label)
         server = None
         try:
-            server = Server.launch(argv, port, {**self.base_env, **t.env}, self.out / "logs", tag)
+            server = Server.launch(argv, port, env, self.out / "logs", tag)
             rec["wall_launch"] = server.wall_launch
-            deadline = server.t_launch + self.args.timeout
+            deadline = server.t_launch + t.timeout
             rec["t_health"] = round(server.wait_healthy(deadline), 4)
-            answer, t_first = server.ask(self.args.prompt, self.args.max_tokens, self.args.expect, deadline)
+            rec["health_path"] = server.health_path
+            answer, t_first = server.ask(self.args.prompt, self.args.max_tokens, t.expect, deadline)
             rec.update(t_first=round(t_first, 4), answer=answer, ok=True)
             # The same request again, now warm: its duration is the request's own compute, so
             # t_first - t_repeat is what the start cost beyond serving one request.
             t_ask = time.perf_counter()
             try:
-                server.ask(self.args.prompt, self.args.max_tokens, None, t_ask + self.args.timeout)
+                server.ask(self.args.prompt, self.args.max_tokens, None, t_ask + t.timeout)
                 rec["t_repeat"] = round(time.perf_counter() - t_ask, 4)
+                rec["start_cost"] = round(rec["t_first"] - rec["t_repeat"], 4)
             except RunFailed as e:
                 rec["repeat_error"] = str(e)
             if t.kind == "hotstart":
                 rec["timeline"] = server.get_json("/startup")
         except RunFailed as e:
             rec["error"] = str(e)
+            if e.answer is not None:
+                rec["answer"] = e.answer
         except KeyboardInterrupt:
             rec.update(ok=False, error="interrupted", interrupted=True)
             raise
@@ -185,61 +186,10 @@ class Bench:
                 if not rec["ok"]:
                     rec["stderr_tail"] = tail(server.stderr_path)
             self.runs.append(rec)  # also an interrupted run: its process group is on record
-        return rec
 
-    def floor_import(self, mode: str, rnd: int, warm: bool) -> dict:
-        rec = {"what": "import_torch", "mode": mode, "round": rnd, "warmup": warm, **self.evict(mode)}
-        t = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-c", "import torch"], stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-        try:
-            _, err = proc.communicate(timeout=self.args.timeout)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        rec["seconds"] = round(time.perf_counter() - t, 4)
-        rec["ok"] = proc.returncode == 0
-        if not rec["ok"]:
-            rec["error"] = err.decode(errors="replace").strip()[-300:]
-        return rec
-
-    def floor_read(self, mode: str, rnd: int, warm: bool) -> dict:
-        """Read every weight byte once, READ_THREADS threads x 16 MiB preadv in file order.
-
-        Several requests in flight, because this virtio disk is latency-bound at one (measured here:
-        0.5-1.0 GB/s with 1 thread, 1.2-1.5 GB/s with 2-4). Threads doing only preadv release the GIL.
-        """
-        rec = {"what": "read_weights", "mode": mode, "round": rnd, "warmup": warm, **self.evict(mode)}
-        blocks = [(p, off) for p in self.weights for off in range(0, p.stat().st_size, READ_BLOCK)]
-        fds = {p: os.open(p, os.O_RDONLY) for p in self.weights}
-        lock, total = threading.Lock(), [0]
-
-        def reader() -> None:
-            buf = memoryview(bytearray(READ_BLOCK))
-            while True:
-                with lock:
-                    if not blocks:
-                        return
-                    path, off = blocks.pop()
-                n = os.preadv(fds[path], [buf], off)
-                with lock:
-                    total[0] += n
-
-        blocks.reverse()  # pop() from the end = file order
-        t = time.perf_counter()
-        threads = [threading.Thread(target=reader, daemon=True) for _ in range(READ_THREADS)]
-        try:
-            for th in threads:
-                th.start()
-            for th in threads:
-                th.join()
-        finally:
-            for fd in fds.values():
-                os.close(fd)
-        took = time.perf_counter() - t
-        n = total[0]
-        rec.update(seconds=round(took, 4), bytes=n, gbps=round(n / took / 1e9, 3), threads=READ_THREADS, ok=True)
+    def measure_floor(self, what: str, mode: str, rnd: int, warm: bool) -> dict:
+        rec = {"what": what, "mode": mode, "round": rnd, "warmup": warm, **self.evict(mode)}
+        rec.update(floor.import_torch(self.timeout) if what == "import_torch" else floor.read_weights(self.weights))
         return rec
 
     def loop(self) -> None:
@@ -249,12 +199,14 @@ class Bench:
             warm = rnd < 0
             for mode in self.modes:
                 for t in self.targets:
+                    if t.first_start and (rnd != 0 or mode != self.modes[0]):
+                        continue  # once: round 1 of the first mode
                     rec = self.run_server(t, mode, rnd, warm)
                     self.save()
                     print(report.progress_line(rec, rnd, a.runs, width), file=sys.stderr, flush=True)
                 if a.floor:
-                    for measure in (self.floor_import, self.floor_read):
-                        rec = measure(mode, rnd, warm)
+                    for what in ("import_torch", "read_weights"):
+                        rec = self.measure_floor(what, mode, rnd, warm)
                         self.floor.append(rec)
                         self.save()
                         print(report.progress_line(rec, rnd, a.runs, width), file=sys.stderr, flush=True)
@@ -282,6 +234,8 @@ def run_startup_bench(args: argparse.Namespace) -> int:
     print(f"hotstart bench startup: {len(targets)} configs x {len(bench.modes)} modes x "
           f"({args.warmup} warm-up + {args.runs}) runs; model {model.path} "
           f"({bench.meta['weights_bytes'] / 1e9:.2f} GB); results in {out}", file=sys.stderr, flush=True)
+    if bench.meta["vllm_compile_cache"]:
+        print(f"hotstart bench startup: {report.vllm_cache_line(bench.meta)}", file=sys.stderr, flush=True)
     # SIGINT explicitly too: a shell starts background jobs with SIGINT ignored, and Ctrl-C/kill -INT
     # must still stop the current server and keep the results.
     old = {s: signal.signal(s, h) for s, h in ((signal.SIGTERM, _on_sigterm),
@@ -297,6 +251,8 @@ def run_startup_bench(args: argparse.Namespace) -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        vllm = next((t for t in targets if t.vllm), None)
+        bench.meta["vllm_compile_cache_after"] = peers.vllm_compile_cache(vllm.env) if vllm else None
         bench.save()
     data = json.loads((out / "results.json").read_text())
     text = report.write_reports(data, out)
