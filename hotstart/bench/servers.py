@@ -1,0 +1,163 @@
+"""Servers of the serving benchmarks (benchmarks/serve_bench.py, over_time.py): what to launch and how to ask.
+
+hotstart runs from this checkout (labelled variants: extra flags each); vLLM, llama.cpp and `transformers
+serve` run from the command lines `make peers` wrote (peers.py). Each server's request forces the full
+output length its own way:
+
+  hotstart      ignore_eos: true; usage via stream_options.include_usage
+  vLLM          ignore_eos: true and min_tokens = max_tokens; usage via stream_options.include_usage
+  llama.cpp     min_tokens = max_tokens (llama-cpp-python masks the EOS token until then) and logit_bias
+                -100 on the model's end tokens (eos_token_id, <|endoftext|>-like added tokens): its loop
+                stops on any end-of-generation token (llama_vocab_is_eog: ids 0, 2 and 4 in this GGUF),
+                min_tokens masks EOS (2) only; it has no ignore_eos and sends no usage in the stream:
+                tokens are counted as content chunks (one token each)
+  transformers  generation_config '{"min_new_tokens": N, "max_new_tokens": N, "do_sample": false}' (it
+                answers 422 to unknown fields such as ignore_eos); usage in its final chunk
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hotstart.bench import peers
+from hotstart.bench.process import free_port
+from hotstart.errors import HotstartError
+
+REPO = Path(__file__).resolve().parents[2]
+KINDS = ("hotstart", "vllm", "llamacpp", "transformers", "transformers-cb")
+LABELS = {"vllm": "vLLM", "llamacpp": "llama.cpp", "transformers": "transformers serve",
+          "transformers-cb": "transformers serve --continuous-batching"}
+EOG_NAMES = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|end|>", "</s>")
+
+
+@dataclass
+class Spec:
+    """One server to launch: table label, kind (KINDS), argv, extra environment, and its URL (None:
+    read from its output, hotstart's `--port 0`)."""
+
+    name: str
+    kind: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    url: str | None = None
+    weights: str = ""  # what it serves, for the table: "bf16 safetensors", "Q4_1 GGUF", ...
+
+
+def parse_variants(values: list[str] | None) -> list[tuple[str, str]]:
+    """--hotstart-variant LABEL="FLAGS" (repeatable) -> [(label, flags)]; none: [("", "")]."""
+    out = []
+    for v in values or []:
+        label, sep, flags = v.partition("=")
+        if not sep or not label.strip():
+            raise SystemExit(f"--hotstart-variant {v!r}: must be LABEL=FLAGS (FLAGS may be empty)")
+        out.append((label.strip(), flags))
+    return out or [("", "")]
+
+
+def fast_path_built(fast: dict | None) -> bool:
+    """hotstart's /startup fast_path is final: packing packed or off, compile done, off or failed
+    ("pending" = planned, not started yet; a missing fast_path = not reported yet)."""
+    if not fast:
+        return False
+    packing, compile_ = str(fast.get("packing", "")), str(fast.get("compile", ""))
+    return packing.startswith(("packed", "off")) and (compile_ == "done" or compile_.startswith(("off", "failed")))
+
+
+def hotstart_spec(model: str | None, dtype: str, extra: list[str], max_num_seqs: int | None = None,
+                  label: str = "", home: str | None = None, port: int | None = None) -> Spec:
+    """`hotstart serve` from this checkout on PORT (default: a port it picks and prints). `home`: its
+    HOTSTART_HOME (a private one starts with an empty compile cache; pass the model folder explicitly)."""
+    argv = [sys.executable, "-m", "hotstart", "serve", *([model] if model else []), "--port", str(port or 0),
+            "--dtype", dtype, *(["--max-num-seqs", str(max_num_seqs)] if max_num_seqs else []), *extra]
+    env = {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", **({"HOTSTART_HOME": home} if home else {})}
+    return Spec(f"hotstart[{label}]" if label else "hotstart", "hotstart", argv, env,
+                url=f"http://127.0.0.1:{port}" if port else None, weights=f"{dtype} safetensors")
+
+
+def peer_spec(kind: str, model: str, dtype: str, extra: list[str], threads: int | None = None) -> Spec:
+    """A peer from commands.env (transformers: the project venv's `transformers` CLI if `make peers`
+    did not set one up), on a free port, with the benchmark's dtype / thread flags."""
+    port = free_port()
+    key = "transformers" if kind.startswith("transformers") else kind
+    try:
+        _, cmd = peers.known_peer(key)
+    except HotstartError:
+        if key != "transformers":
+            raise
+        exe = shutil.which("transformers", path=str(Path(sys.executable).parent)) or shutil.which("transformers")
+        if exe is None:
+            raise SystemExit("transformers serve: not set up (run `make peers`)") from None
+        cmd = f"HF_HUB_OFFLINE=1 {exe} serve --host 127.0.0.1 --port {{port}} {{model}}"
+    env, words = peers.split_command(cmd, kind)
+    gguf = peers.default_gguf() if peers.needs_gguf(words) else None
+    argv = peers.fill(words, port, model, gguf)
+    if kind == "vllm":
+        argv += ["--dtype", dtype, *extra]
+        weights = f"{dtype} safetensors"
+    elif kind == "llamacpp":
+        n = str(threads or os.cpu_count() or 1)
+        # interrupt_requests (default true) makes every new request cut the stream in progress short:
+        # off, concurrent streams queue (it serves one at a time) instead of failing.
+        argv += ["--n_threads", n, "--n_threads_batch", n, "--interrupt_requests", "false", *extra]
+        weights = "Q4_1 GGUF" if "Q4_1" in " ".join(argv) else "GGUF"
+    else:  # flags before the model folder, which is its last word
+        at = argv.index("serve") + 1 if "serve" in argv else len(argv)
+        flags = ["--device", "cpu", "--dtype", dtype, *(["--continuous-batching"] if kind == "transformers-cb"
+                                                        else []), *extra]
+        argv[at:at] = flags
+        weights = f"{dtype} safetensors"
+    return Spec(LABELS[kind], kind, argv, env, url=f"http://127.0.0.1:{port}", weights=weights)
+
+
+def eog_ids(model: str) -> list[int]:
+    """End-of-generation token ids of a model folder: config/generation_config eos_token_id and the
+    tokenizer's added tokens with the usual end names (what llama.cpp stops on for these models)."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        try:
+            eos = json.loads((Path(model) / name).read_text()).get("eos_token_id")
+        except (OSError, ValueError):
+            continue
+        ids.update(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
+    try:
+        added = json.loads((Path(model) / "tokenizer.json").read_text()).get("added_tokens") or []
+        ids.update(t["id"] for t in added if t.get("content") in EOG_NAMES)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return sorted(ids)
+
+
+def request_body(kind: str, prompt: str, max_tokens: int, model_id: str | None, eog: list[int] = ()) -> dict:
+    """A streamed greedy chat request forced to max_tokens on that kind of server (module docstring)."""
+    body = {"messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": max_tokens,
+            "stream": True}
+    if model_id is not None:
+        body["model"] = model_id
+    if kind == "hotstart":
+        body.update(ignore_eos=True, stream_options={"include_usage": True})
+    elif kind == "vllm":
+        body.update(ignore_eos=True, min_tokens=max_tokens, stream_options={"include_usage": True})
+    elif kind == "llamacpp":
+        body.update(min_tokens=max_tokens, logit_bias={str(i): -100.0 for i in eog})
+    else:  # transformers serve: no stream_options / ignore_eos (422); usage comes in its final chunk
+        body.pop("model", None)
+        body["generation_config"] = json.dumps({"max_new_tokens": max_tokens, "min_new_tokens": max_tokens,
+                                                "do_sample": False})
+    return body
+
+
+def served_dtype(kind: str, output: str, model: str) -> str:
+    """What `--dtype auto` became: as the server logged it (hotstart, vLLM), else the checkpoint's."""
+    pattern = {"hotstart": r"on (?:cpu|cuda\S*) (float32|bfloat16|float16)",
+               "vllm": r"dtype=torch\.(float32|bfloat16|float16)"}.get(kind)
+    m = re.search(pattern, output) if pattern else None
+    if m:
+        return m.group(1)
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    return f"auto ({cfg.get('dtype') or cfg.get('torch_dtype')})"
