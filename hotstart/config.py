@@ -264,6 +264,11 @@ class ServeConfig:
                             action="store_false")
     prefetch_threads: int | None = option(None, "prefetch reader threads", type=non_negative)
     prefetch_block_mb: int | None = option(None, "prefetch read size in MiB", type=non_negative)
+    prefetch_method: str = option("auto", "how the prefetcher fills the page cache: preadv (reads, copied into "
+                                          "a buffer), readahead / fadvise (the kernel queues the reads: no copy), "
+                                          "madvise (MADV_POPULATE_READ on a read-only mapping: no copy); auto: "
+                                          "the zero-copy default on local disks, preadv on network filesystems",
+                                  choices=["auto", "preadv", "readahead", "fadvise", "madvise"])
     restart: bool = option(True, "do not replace a dead engine or forkserver", flag="--no-restart",
                            action="store_false")
     zygote: str = option("auto", "auto: fork the engine from this user's running `hotstart zygote` (torch "

@@ -18,6 +18,7 @@ import pytest
 
 from hotstart.boot import storage
 from hotstart.model.cursor import LoadCursor
+from hotstart.boot.populate import METHODS
 from hotstart.boot.prefetch import Prefetcher
 from hotstart.boot.residency import PAGE_SIZE, evict, resident_bytes, resident_map
 from hotstart.boot.storage import MiB, PrefetchOverrides, PrefetchPlan, StorageInfo
@@ -28,8 +29,9 @@ SIZE = 96 * MiB
 SLACK = 2 * MiB
 
 
-def _plan(threads=2, block_mib=4, window_mib=1024, enabled=True):
-    return PrefetchPlan(enabled, threads, block_mib * MiB, "test", window_mib * MiB)
+def _plan(threads=2, block_mib=4, window_mib=1024, enabled=True, method="preadv", ahead_mib=None):
+    ahead = ahead_mib * MiB if ahead_mib is not None else None
+    return PrefetchPlan(enabled, threads, block_mib * MiB, "test", window_mib * MiB, method, 2 * MiB, ahead)
 
 
 def _write(path: Path, size: int) -> Path:
@@ -83,9 +85,10 @@ def test_residency_evict_read_and_empty(big, disk_dir):
 
 # ---- prefetcher ----------------------------------------------------------------------------------------
 
-def test_cold_then_warm(big):
+@pytest.mark.parametrize("method", METHODS)
+def test_cold_then_warm(big, method):
     _cold(big)
-    pf = Prefetcher([big], _plan()).start()
+    pf = Prefetcher([big], _plan(method=method)).start()
     assert pf.wait(30)
     s = pf.stats()
     assert s["state"] == "done" and s["errors"] == 0 and s["files_done"] == 1
@@ -95,18 +98,19 @@ def test_cold_then_warm(big):
     assert s["bytes_read"] >= SIZE // 4
     assert s["gbps"] > 0 and s["elapsed_s"] > 0
     assert _resident(big) >= SIZE - SLACK
-    again = Prefetcher([big], _plan()).start()
+    again = Prefetcher([big], _plan(method=method)).start()
     assert again.wait(10)
     assert again.stats()["bytes_read"] <= SLACK and again.stats()["bytes_skipped_resident"] >= SIZE - SLACK
 
 
-def test_partially_resident_reads_only_missing(big):
+@pytest.mark.parametrize("method", METHODS)
+def test_partially_resident_reads_only_missing(big, method):
     _cold(big)
     with open(big, "rb") as f:
         f.read(40 * MiB)
     before, _ = resident_bytes(big)
     missing = SIZE - before
-    pf = Prefetcher([big], _plan(threads=1)).start()
+    pf = Prefetcher([big], _plan(threads=1, method=method)).start()
     assert pf.wait(30)
     s = pf.stats()
     assert missing // 4 <= s["bytes_read"] <= missing + SLACK  # (readahead: see test_cold_then_warm)
@@ -114,12 +118,13 @@ def test_partially_resident_reads_only_missing(big):
     assert _resident(big) >= SIZE - SLACK
 
 
-def test_cursor_skips_passed_and_window_holds(big):
+@pytest.mark.parametrize("method", METHODS)
+def test_cursor_skips_passed_and_window_holds(big, method):
     _cold(big)
     window = 8 * MiB
     with LoadCursor.create() as cur:
         cur.advance(48 * MiB)  # the loader already passed the first half
-        pf = Prefetcher([big], _plan(block_mib=4), cursor=cur, window_bytes=window).start()
+        pf = Prefetcher([big], _plan(block_mib=4, method=method), cursor=cur, window_bytes=window).start()
         deadline = time.monotonic() + 10
         while pf.stats()["frontier"] < 56 * MiB and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -146,12 +151,13 @@ def test_cursor_skips_passed_and_window_holds(big):
     assert pf.stats()["bytes_read"] <= SIZE - 48 * MiB
 
 
-def test_bad_files_are_recorded_and_skipped(disk_dir):
+@pytest.mark.parametrize("method", METHODS)
+def test_bad_files_are_recorded_and_skipped(disk_dir, method):
     good = _write(disk_dir / "good.bin", 8 * MiB)
     vanished = _write(disk_dir / "vanished.bin", 4 * MiB)
     truncated = _write(disk_dir / "truncated.bin", 8 * MiB)
     _cold(good)
-    pf = Prefetcher([disk_dir, vanished, truncated, good], _plan(block_mib=1))
+    pf = Prefetcher([disk_dir, vanished, truncated, good], _plan(block_mib=1, method=method))
     vanished.unlink()  # after planning
     os.truncate(truncated, MiB)
     pf.start()
@@ -296,9 +302,13 @@ def test_plan_policies():
 def test_plan_ram_guard_and_overrides():
     gb = 10**9
     local = StorageInfo("local", "ext4", "vda")
-    big = storage.plan(local, 9 * gb, 16 * gb)  # 9 GB > 50% of 16 GB
-    assert not big.enabled and "MemAvailable" in big.reason
-    assert storage.plan(local, 9 * gb, 16 * gb, PrefetchOverrides(ram_fraction=0.6)).enabled
+    assert storage.plan(local, 7 * gb, 16 * gb).ahead_bytes is None  # fits in 50%: unbounded
+    big = storage.plan(local, 9 * gb, 16 * gb)  # 9 GB > 50% of 16 GB: bounded ahead of the loader
+    assert big.enabled and "MemAvailable" in big.reason and "ahead of the loader" in big.reason
+    assert big.ahead_bytes == 8 * gb // (16 * MiB) * (16 * MiB)
+    huge = storage.plan(local, 17 * gb, 16 * gb)  # more than RAM can hold: off
+    assert not huge.enabled and "exceed MemAvailable" in huge.reason
+    assert storage.plan(local, 9 * gb, 16 * gb, PrefetchOverrides(ram_fraction=0.6)).ahead_bytes is None
     o = PrefetchOverrides(threads=3, block_mib=32, window_mib=128)
     p = storage.plan(StorageInfo("rotational", "xfs", "sda"), gb, 16 * gb, o)
     assert (p.threads, p.block_bytes, p.window_bytes) == (3, 32 * MiB, 128 * MiB)
@@ -318,7 +328,7 @@ def test_plan_for_real_file(big):
 
 def test_boot_modules_import_nothing_heavy():
     code = ("import sys; import hotstart.boot.prefetch, hotstart.boot.storage, hotstart.boot.residency, "
-            "hotstart.model.cursor, hotstart.boot.timeline; "
+            "hotstart.boot.populate, hotstart.model.cursor, hotstart.boot.timeline; "
             "print([m for m in sys.modules if m.split('.')[0] in "
             "('torch', 'transformers', 'matplotlib', 'numpy', 'safetensors')])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -336,15 +346,16 @@ class _ImportRecorder:
         return None
 
 
-def test_no_imports_from_prefetch_threads(big, disk_dir):
+@pytest.mark.parametrize("method", METHODS)
+def test_no_imports_from_prefetch_threads(big, disk_dir, method):
     _cold(big)
     rec = _ImportRecorder()
     before = set(sys.modules)
     sys.meta_path.insert(0, rec)
     try:
         with LoadCursor.create() as cur:  # exercise claim, wait, jump, read and error paths
-            pf = Prefetcher([disk_dir / "missing-after-plan", big, disk_dir], _plan(block_mib=2), cursor=cur,
-                            window_bytes=16 * MiB).start()
+            pf = Prefetcher([disk_dir / "missing-after-plan", big, disk_dir], _plan(block_mib=2, method=method),
+                            cursor=cur, window_bytes=16 * MiB).start()
             time.sleep(0.05)
             for pos in range(0, SIZE + 1, 4 * MiB):
                 cur.advance(pos)

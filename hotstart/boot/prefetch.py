@@ -1,10 +1,12 @@
 """Weight prefetch into the OS page cache, run by the API process while the engine starts.
 
-Daemon threads read the files in load order (files in list order, bytes sequentially within a file)
-with os.preadv into per-thread buffers allocated once. Before each block, mincore says which pages
-are already cached; only the missing runs are read, so a warm start reads ~0 bytes. With a
-LoadCursor, the prefetcher never reads what the loader has passed and stays at most `window_bytes`
-ahead of it, so it neither races the loader for the disk nor floods RAM.
+Daemon threads claim blocks in load order (files in list order, bytes sequentially within a file).
+Before each block, mincore says which pages are already cached; only the missing runs are brought
+in, by the plan's method (populate.py: preadv copies into a per-thread buffer; readahead, fadvise and
+madvise queue the reads in the kernel and wait for them without copying), so a warm start reads ~0
+bytes. With a LoadCursor, the prefetcher never reads what the loader has passed and stays at most
+`window_bytes` ahead of it (and `plan.ahead_bytes`, the RAM guard's bound, ahead of its position or
+of byte 0 before it starts), so it neither races the loader for the disk nor floods RAM.
 
 Rules this module keeps (see docs/design.md): threads do I/O only and never import (everything is
 imported here at top level); nothing they do can raise into the caller (errors are recorded in
@@ -21,9 +23,10 @@ import threading
 import time
 from pathlib import Path
 
-from hotstart.model.cursor import LoadCursor
+from hotstart.boot.populate import populator
 from hotstart.boot.residency import LOW_BIT, PAGE_SIZE, FileMap, pages
 from hotstart.boot.storage import PrefetchPlan
+from hotstart.model.cursor import LoadCursor
 
 # Resident gaps shorter than this inside a block are read through rather than splitting the read:
 # copying a cached page costs far less than another syscall and a break in the disk's stream.
@@ -58,6 +61,8 @@ class Prefetcher:
         # Block: a whole number of pages, and no larger than the window (else it could never be claimed).
         block = min(plan.block_bytes, self._window) if cursor is not None else plan.block_bytes
         self._block = max(PAGE_SIZE, block // PAGE_SIZE * PAGE_SIZE)
+        self._ahead = plan.ahead_bytes
+        populator(plan.method, PAGE_SIZE, plan.chunk_bytes)  # an unknown method fails here, in the caller
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._finished = threading.Event()
@@ -136,7 +141,7 @@ class Prefetcher:
                 "elapsed_s": round(elapsed, 6),
                 "gbps": round(self._read / elapsed / 1e9, 3) if elapsed else 0.0,
                 "frontier": self._next, "threads": self.plan.threads, "block_bytes": self._block,
-                "window_bytes": self._window,
+                "window_bytes": self._window, "ahead_bytes": self._ahead, "method": self.plan.method,
                 "loader_position": self._cursor.position() if self._cursor is not None else -1,
             }
 
@@ -173,6 +178,9 @@ class Prefetcher:
             n = min(self._block, end - self._next)
             if pos >= 0 and self._next + n > pos + self._window:
                 return _WAIT  # far enough ahead of the loader
+            if self._ahead is not None and self._next + n > max(pos, 0) + self._ahead:
+                # the RAM guard's bound: wait for the loader (nothing to wait for without a cursor)
+                return _WAIT if self._cursor is not None else None
             if f.state == "new":
                 f.state = "opening"
                 return ("open", f)
@@ -227,21 +235,15 @@ class Prefetcher:
             if self._closable(f):  # the loader jumped past it while we opened it
                 self._detach(f)
 
-    def _pread_fully(self, f: _File, offset: int, length: int, mv: memoryview) -> None:
-        done = 0
-        while done < length:
-            r = os.preadv(f.fd, [mv[done:length]], offset + done)
-            if r == 0:
-                raise OSError(errno.EIO, f"unexpected end of file at byte {offset + done} (truncated?)")
-            done += r
-            with self._lock:  # progress is visible per read, not per block
-                self._read += r
+    def _progress(self, nbytes: int) -> None:
+        with self._lock:
+            self._read += nbytes
 
-    def _read_block(self, f: _File, off: int, n: int, mv: memoryview, vec) -> None:
-        """Read the non-resident pages of [off, off+n) of f, in runs, into the thread's buffer."""
+    def _read_block(self, f: _File, off: int, n: int, pop, vec) -> None:
+        """Bring the non-resident pages of [off, off+n) of f into the page cache, in runs."""
         npages = f.fmap.query(off, n, vec)
         v = bytes(vec)[:npages].translate(LOW_BIT)  # 0/1 per page of this block
-        got = 0
+        runs = []
         i = v.find(0)
         while i != -1:
             j = v.find(1, i)
@@ -252,18 +254,17 @@ class Prefetcher:
                     break
                 j = v.find(1, k)
                 j = npages if j == -1 else j
-            start, length = off + i * PAGE_SIZE, min(j * PAGE_SIZE, n) - i * PAGE_SIZE
-            self._pread_fully(f, start, length, mv)
-            got += length
+            runs.append((off + i * PAGE_SIZE, min(j * PAGE_SIZE, n) - i * PAGE_SIZE))
             i = v.find(0, j) if j < npages else -1
+        if runs:
+            pop.populate(f.fd, f.fmap, runs, self._progress)
         with self._lock:
-            self._skip_resident += n - got
+            self._skip_resident += n - sum(length for _, length in runs)
 
     def _run(self) -> None:
-        buf = bytearray(self._block)  # one buffer per thread for its whole life
-        mv = memoryview(buf)
-        vec = (ctypes.c_ubyte * pages(self._block))()
         try:
+            pop = populator(self.plan.method, self._block, self.plan.chunk_bytes)  # buffers for the thread's life
+            vec = (ctypes.c_ubyte * pages(self._block))()
             while not self._stop.is_set():
                 with self._lock:
                     work = self._claim()
@@ -278,7 +279,7 @@ class Prefetcher:
                     continue
                 f, off, n = work
                 try:
-                    self._read_block(f, off, n, mv, vec)
+                    self._read_block(f, off, n, pop, vec)
                 except Exception as e:  # best effort: record, skip the file, never raise
                     with self._lock:
                         if f.state != "failed":
@@ -290,7 +291,7 @@ class Prefetcher:
                         if self._closable(f):
                             self._detach(f)
                     self._close_detached()
-        except Exception as e:  # a bug must not escape a daemon thread (excepthook would import)
+        except Exception as e:  # a bug (or MemoryError) must not escape a daemon thread (excepthook would import)
             with self._lock:
                 self._record_error("prefetch", e)
         finally:

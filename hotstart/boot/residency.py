@@ -23,6 +23,8 @@ _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mincore.restype = ctypes.c_int
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+_libc.madvise.restype = ctypes.c_int
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 # mincore sets bit 0 per page; the other bits are reserved, so normalise every byte to 0/1.
@@ -37,7 +39,8 @@ def pages(nbytes: int) -> int:
 class FileMap:
     """A PROT_READ, MAP_SHARED mapping of `size` bytes of an open fd, for residency queries only.
 
-    The mapping is never dereferenced, so a file truncated after mapping cannot raise SIGBUS here.
+    The mapping is never dereferenced (madvise populates it inside the kernel, which reports a page
+    past a truncated end as EFAULT), so a file truncated after mapping cannot raise SIGBUS here.
     Safe to query from any thread (no imports, no allocation beyond the caller's buffer).
     """
 
@@ -62,6 +65,15 @@ class FileMap:
             err = ctypes.get_errno()
             raise OSError(err, f"mincore: {os.strerror(err)}")
         return n
+
+    def advise(self, offset: int, length: int, advice: int) -> int:
+        """madvise(2) on [offset, offset+length) of the mapping (`offset` page aligned): 0, or the errno.
+        Never raises; with MADV_POPULATE_READ it touches the file (SIGBUS-free: errors come back as
+        EFAULT), so only the prefetcher's populate methods use it."""
+        length = min(length, self.size - offset)
+        if length <= 0 or self._addr is None:
+            return 0
+        return 0 if _libc.madvise(self._addr + offset, length, advice) == 0 else ctypes.get_errno()
 
     def vector(self, offset: int = 0, length: int | None = None) -> bytes:
         """Per-page residency (one byte 0/1 per page) of [offset, offset+length)."""

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable
 
+from hotstart.boot.populate import METHODS
 from hotstart.system import mem_available  # noqa: F401 - re-exported: plan_for and callers use it here
 
 MiB = 1 << 20
@@ -33,6 +34,16 @@ NETWORK_THREADS = 8
 ROTATIONAL_THREADS = 1
 DEFAULT_WINDOW_MIB = 1024
 DEFAULT_RAM_FRACTION = 0.5
+# `--prefetch-method auto` on local, rotational and unknown storage: the zero-copy method expected to
+# cost the imports beside it the least CPU (no copy into user space, no page-table work); flip it
+# here once benchmarks/prefetch_methods.py says otherwise (docs/prefetch.md).
+AUTO_METHOD = "fadvise"
+# Network filesystems implement readahead their own way (NFS rsize, FUSE max_readahead): explicit
+# reads are the known-good answer there, and it is not measured on these machines.
+AUTO_NETWORK_METHOD = "preadv"
+# Bytes per readahead/WILLNEED call where the device's cap is unknown (the kernel's default
+# read_ahead_kb): a call above the cap is cut silently, one below it only costs another syscall.
+FALLBACK_CHUNK = 128 << 10
 
 
 @dataclass(frozen=True)
@@ -49,6 +60,7 @@ class StorageInfo:
     fstype: str
     device: str
     note: str = ""
+    ra_bytes: int = 0  # most bytes one readahead(2)/WILLNEED call queues on this device (0: unknown)
 
 
 @dataclass(frozen=True)
@@ -59,6 +71,7 @@ class PrefetchOverrides:
     block_mib: int | None = None
     window_mib: int | None = None
     ram_fraction: float = DEFAULT_RAM_FRACTION
+    method: str = "auto"  # auto | one of populate.METHODS
 
 
 @dataclass(frozen=True)
@@ -68,6 +81,9 @@ class PrefetchPlan:
     block_bytes: int
     reason: str
     window_bytes: int = DEFAULT_WINDOW_MIB * MiB
+    method: str = "preadv"  # one of populate.METHODS
+    chunk_bytes: int = FALLBACK_CHUNK  # per readahead/WILLNEED call (zero-copy methods)
+    ahead_bytes: int | None = None  # most bytes read ahead of the loader's position (0 before it starts)
 
 
 _OCTAL = re.compile(r"\\([0-7]{3})")
@@ -119,6 +135,29 @@ def block_device(majmin: str, sys_root: str = "/sys") -> tuple[str, bool | None,
     return os.path.basename(dev), rotational, "/virtio" in dev
 
 
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def readahead_bytes(majmin: str, sys_root: str = "/sys") -> int:
+    """Most bytes one readahead(2) / POSIX_FADV_WILLNEED call queues on device MAJMIN: the kernel cuts
+    each call at max(ra_pages, io_pages), i.e. max(read_ahead_kb, max_sectors_kb); 0 if unknown.
+    Block devices (a partition resolved to its disk) have both in queue/; others (NFS, FUSE) have
+    read_ahead_kb in /sys/class/bdi/MAJMIN."""
+    dev = os.path.realpath(os.path.join(sys_root, "dev", "block", majmin))
+    if os.path.isdir(dev):
+        if os.path.exists(os.path.join(dev, "partition")):
+            dev = os.path.dirname(dev)
+        kbs = [_read_int(os.path.join(dev, "queue", n)) for n in ("read_ahead_kb", "max_sectors_kb")]
+    else:
+        kbs = [_read_int(os.path.join(sys_root, "class", "bdi", majmin, "read_ahead_kb"))]
+    return max((k for k in kbs if k), default=0) * 1024
+
+
 def classify(mount: Mount | None, sys_root: str = "/sys") -> StorageInfo:
     """Storage kind for a mount (pure apart from reading `sys_root`)."""
     if mount is None:
@@ -145,7 +184,9 @@ def detect(path: str | os.PathLike, mountinfo: str | None = None, sys_root: str 
         if mountinfo is None:
             with open("/proc/self/mountinfo") as f:
                 mountinfo = f.read()
-        return classify(find_mount(parse_mountinfo(mountinfo), os.path.realpath(path)), sys_root)
+        mount = find_mount(parse_mountinfo(mountinfo), os.path.realpath(path))
+        info = classify(mount, sys_root)
+        return replace(info, ra_bytes=readahead_bytes(mount.majmin, sys_root)) if mount else info
     except OSError:
         return StorageInfo("unknown", "", "")
 
@@ -154,9 +195,23 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
+def choose_method(requested: str, info: StorageInfo) -> str:
+    """The populate method for `--prefetch-method REQUESTED` on storage INFO (the `auto` policy)."""
+    if requested == "auto":
+        return AUTO_NETWORK_METHOD if info.kind == "network" else AUTO_METHOD
+    if requested not in METHODS:
+        raise ValueError(f"prefetch method must be auto or one of {', '.join(METHODS)}, got {requested!r}")
+    return requested
+
+
 def plan(info: StorageInfo, total_bytes: int, mem_available: int | None,
          overrides: PrefetchOverrides | None = None) -> PrefetchPlan:
-    """Choose whether and how to prefetch `total_bytes` of weights from storage `info`."""
+    """Choose whether and how to prefetch `total_bytes` of weights from storage `info`.
+
+    RAM guard: weights larger than MemAvailable are not prefetched (the page cache cannot hold them:
+    pages read early would be evicted before the loader maps them); weights larger than
+    `ram_fraction` of it are prefetched at most that many bytes ahead of the loader's position (from
+    byte 0 before it starts): the head start during `import torch`, then the loader's window."""
     o = overrides or PrefetchOverrides()
     if o.threads is not None and o.threads < 1:
         raise ValueError(f"prefetch threads must be >= 1, got {o.threads}")
@@ -171,25 +226,32 @@ def plan(info: StorageInfo, total_bytes: int, mem_available: int | None,
     threads = o.threads or threads
     block = (o.block_mib or LOCAL_BLOCK_MIB) * MiB
     window = (o.window_mib or DEFAULT_WINDOW_MIB) * MiB
+    method = choose_method(o.method, info)
+    chunk = min(block, info.ra_bytes or FALLBACK_CHUNK)
     where = f"{info.kind} storage ({info.fstype or '?'} on {info.device or '?'})"
+    how = f"{threads} threads x {block // MiB} MiB, {method}"
 
-    def made(enabled: bool, reason: str) -> PrefetchPlan:
-        return PrefetchPlan(enabled, threads, block, reason, window)
+    def made(enabled: bool, reason: str, ahead: int | None = None) -> PrefetchPlan:
+        return PrefetchPlan(enabled, threads, block, reason, window, method, chunk, ahead)
 
     if o.enabled is False:
         return made(False, "disabled by flag")
     if total_bytes <= 0:
         return made(False, "nothing to prefetch")
     if o.enabled:
-        return made(True, f"forced by flag; {where}: {threads} threads x {block // MiB} MiB")
+        return made(True, f"forced by flag; {where}: {how}")
     if info.kind == "memory":
         return made(False, f"already in RAM ({info.fstype})")
     if mem_available is not None:
-        budget = int(mem_available * o.ram_fraction)
+        if total_bytes > mem_available:
+            return made(False, f"weights ({_gb(total_bytes)}) exceed MemAvailable ({_gb(mem_available)}): the "
+                               "page cache cannot hold them, prefetched pages would be evicted before use")
+        budget = max(block, int(mem_available * o.ram_fraction) // block * block)
         if total_bytes > budget:
-            return made(False, f"weights ({_gb(total_bytes)}) exceed {o.ram_fraction:.0%} of MemAvailable "
-                               f"({_gb(mem_available)}): prefetched pages would evict each other")
-    return made(True, f"{where}: {threads} threads x {block // MiB} MiB")
+            return made(True, f"{where}: {how}; at most {_gb(budget)} ahead of the loader (weights "
+                              f"{_gb(total_bytes)} > {o.ram_fraction:.0%} of MemAvailable {_gb(mem_available)})",
+                        budget)
+    return made(True, f"{where}: {how}")
 
 
 def plan_for(files: Iterable[str | os.PathLike], overrides: PrefetchOverrides | None = None) -> PrefetchPlan:

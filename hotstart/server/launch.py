@@ -57,7 +57,8 @@ def _start_prefetch(cfg: ServeConfig, model_path, files, cursor, timeline: Timel
     from hotstart.model.files import sidecar_files  # noqa: PLC0415
 
     with timeline.phase("prefetch started") as span:
-        overrides = PrefetchOverrides(threads=cfg.prefetch_threads, block_mib=cfg.prefetch_block_mb)
+        overrides = PrefetchOverrides(threads=cfg.prefetch_threads, block_mib=cfg.prefetch_block_mb,
+                                      method=cfg.prefetch_method)
         try:
             plan = plan_for(files, overrides)
         except ValueError as e:
