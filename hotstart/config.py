@@ -216,8 +216,10 @@ class EngineConfig:
     max_num_seqs: int = option(64, "most sequences batched in one step", type=at_least_one)
     max_num_batched_tokens: int = option(2048, "token budget of one step (prefill chunks + decodes)", type=at_least_one)
     block_size: int = option(16, "tokens per KV-cache block", type=at_least_one)
-    kv_cache_memory: int | None = option(None, "bytes for the KV cache (default: CPU min(4 GiB, enough for "
-                                               "max-num-seqs x max-model-len), CUDA from --gpu-memory-utilization)",
+    kv_cache_memory: int | None = option(None, "bytes for the KV cache (default: CPU enough for max-num-seqs x "
+                                               "max-model-len, at most half of what MemAvailable leaves beside "
+                                               "the weights, at least one sequence; CUDA from "
+                                               "--gpu-memory-utilization)",
                                          type=at_least_one)
     gpu_memory_utilization: float = option(0.9, "fraction of GPU memory the engine may use (weights + KV cache)",
                                            type=fraction)

@@ -20,11 +20,12 @@ from hotstart.engine.sequence import Sequence
 from hotstart.errors import HotstartError
 from hotstart.messages import EngineRequest, EngineStats, SamplingParams, Span, TokenOutput
 from hotstart.model.files import weight_files
-from hotstart.system import cpu_flags
+from hotstart.system import cpu_flags, mem_available
 
 SpanHook = Callable[[Span], None]  # told of each startup phase as it ends
 
-CPU_KV_CACHE_CAP = 4 << 30
+CPU_KV_CACHE_CAP = 4 << 30  # the CPU KV cache where MemAvailable is unknown
+CPU_KV_MEMORY_FRACTION = 0.5  # of what MemAvailable leaves beside the weights (activations, other processes)
 PROMPT_LOGPROBS_CHUNK = 256  # prompt tokens per step of a request with prompt logprobs ([chunk, V] logits)
 MAX_LOGPROBS = 20
 UINT64 = 1 << 64
@@ -79,23 +80,57 @@ def max_model_len_for(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
     return cfg.max_model_len
 
 
-def kv_cache_blocks(cfg: EngineConfig, per_token: int, max_model_len: int, device: torch.device) -> int:
+def cpu_kv_budget(need: int, one_seq: int, mem_available: int | None, weight_bytes: int) -> tuple[int, str]:
+    """(bytes, why) of a CPU KV cache: NEED (max_num_seqs x max_model_len), capped at
+    CPU_KV_MEMORY_FRACTION of what MemAvailable leaves beside the weights, never below ONE_SEQ (one
+    max_model_len sequence). WEIGHT_BYTES: the weights living in the page cache (zero-copy views):
+    MemAvailable counts page-cache pages as available, mapped or not, so they are taken out of it
+    (mlocked ones, as a zygote's --keep, are not in MemAvailable: then this is conservative).
+    MemAvailable unknown: CPU_KV_CACHE_CAP. HotstartError when not even ONE_SEQ fits."""
+    if mem_available is None:
+        return max(one_seq, min(need, CPU_KV_CACHE_CAP)), f"MemAvailable unknown: at most {_gib(CPU_KV_CACHE_CAP)}"
+    free = mem_available - weight_bytes
+    beside = f"MemAvailable {_gib(mem_available)}" + (f" - weights {_gib(weight_bytes)}" if weight_bytes else "")
+    if one_seq > free:
+        raise HotstartError(
+            f"not enough memory for the KV cache: one sequence of --max-model-len needs {_gib(one_seq)}, "
+            f"{beside} leaves {_gib(max(free, 0))}; lower --max-model-len, free memory, or set --kv-cache-memory")
+    cap = int(free * CPU_KV_MEMORY_FRACTION)
+    if need <= cap:
+        return need, beside
+    if one_seq > cap:
+        return one_seq, f"one sequence: {CPU_KV_MEMORY_FRACTION:.0%} of {beside} holds less"
+    return cap, f"{CPU_KV_MEMORY_FRACTION:.0%} of {beside}; max-num-seqs x max-model-len would take {_gib(need)}"
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def kv_cache_blocks(cfg: EngineConfig, per_token: int, max_model_len: int, device: torch.device,
+                    weight_bytes: int = 0) -> tuple[int, str]:
+    """(blocks, why) of the paged KV cache. WEIGHT_BYTES: weights held in the page cache (CPU zero-copy)."""
+    block_bytes = per_token * cfg.block_size
+    one_seq = blocks_for(max_model_len, cfg.block_size) * block_bytes
     if cfg.kv_cache_memory is not None:
-        budget = cfg.kv_cache_memory
+        budget, why = cfg.kv_cache_memory, "--kv-cache-memory"
     elif device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         used = total - free
         budget = int(total * cfg.gpu_memory_utilization) - used
+        why = f"--gpu-memory-utilization {cfg.gpu_memory_utilization} of {_gib(total)}, {_gib(used)} in use"
     else:
-        budget = min(CPU_KV_CACHE_CAP, cfg.max_num_seqs * max_model_len * per_token)
-    blocks = budget // (per_token * cfg.block_size)
+        need = blocks_for(cfg.max_num_seqs * max_model_len, cfg.block_size) * block_bytes
+        budget, why = cpu_kv_budget(need, one_seq, mem_available(), weight_bytes)
+    blocks = budget // block_bytes
     if blocks < blocks_for(max_model_len, cfg.block_size):
         raise HotstartError(
             f"not enough memory for the KV cache: {max(budget, 0) / 2**20:.0f} MiB holds {max(blocks, 0) * cfg.block_size} "
             f"tokens, one sequence of --max-model-len {max_model_len} needs {max_model_len}; lower --max-model-len "
             "or give more memory (--kv-cache-memory / --gpu-memory-utilization)"
         )
-    return int(blocks)
+    seqs = min(cfg.max_num_seqs, blocks * cfg.block_size // max_model_len)
+    return int(blocks), f"{_gib(blocks * block_bytes)}: {seqs} seqs x {max_model_len} tokens; {why}"
 
 
 def choice_seed(seed: int, index: int) -> int:
@@ -141,9 +176,10 @@ class EngineCore:
 
         t = time.time()
         per_token = kv_bytes_per_token(model, placement.dtype)
-        num_blocks = kv_cache_blocks(cfg, per_token, max_len, placement.device)
+        zero_copy = placement.device.type == "cpu" and str(placement.dtype)[6:] == model_cfg.torch_dtype
+        num_blocks, kv_why = kv_cache_blocks(cfg, per_token, max_len, placement.device, nbytes if zero_copy else 0)
         runner = ModelRunner(model, num_blocks, cfg.block_size, placement.device, placement.dtype)
-        phase("KV cache allocated", t, f"{num_blocks} blocks x {cfg.block_size} tokens")
+        phase("KV cache allocated", t, f"{num_blocks} blocks x {cfg.block_size} tokens ({kv_why})")
         return cls(runner, replace(cfg, weight_files=tuple(files)), model_cfg, num_blocks, max_len, placement)
 
     # --- requests -------------------------------------------------------------------------
