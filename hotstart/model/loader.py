@@ -20,7 +20,7 @@ from hotstart.config import ModelConfig
 from hotstart.errors import WeightsError
 from hotstart.model.decoder import CausalLM
 from hotstart.model.layers import PackedLinear
-from hotstart.model.safetensors_io import SafetensorsFile
+from hotstart.model.safetensors_io import PageToucher, SafetensorsFile
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 FLOAT_DTYPES = {"F32", "F16", "BF16"}
@@ -69,6 +69,7 @@ def load_model(
     filled: dict[str, set[str | None]] = {}  # parameter -> shards loaded (None: not packed)
     packed_buffers: dict[str, torch.Tensor] = {}
     base = 0
+    toucher = PageToucher()  # first CPU touch of each populated page, overlapped with the reads after it
     if not files:
         raise WeightsError(f"{cfg.path}: no safetensors weight files found")
     for path in files:
@@ -98,6 +99,7 @@ def load_model(
                     param = src.to(device=device, dtype=dtype)
                     if param.data_ptr() == src.data_ptr():
                         st.populate(info)  # zero-copy: read the bytes now, not in the first forward
+                        toucher.touch(param)
                     _set_param(model, target, param)
                 else:
                     buf = packed_buffers.get(target)
@@ -111,6 +113,7 @@ def load_model(
         finally:
             st.close()
         base += st.size
+    toucher.close()
     missing = [ckpt for ckpt, (param, shard) in names.items() if shard not in filled.get(param, ())]
     if missing:
         shown = ", ".join(f"'{n}'" for n in missing[:3])
