@@ -116,7 +116,9 @@ class ForkServer:
             except ChildProcessError:  # reaped by terminate_then_kill
                 done, status = pid, 0
             if done:
-                child = self.children.pop(pid)
+                child = self.children.pop(pid, None)
+                if child is None:  # reaped meanwhile: a failed send below dropped its connection and reaped
+                    continue
                 code = os.waitstatus_to_exitcode(status) if status else 0
                 if child.conn in self.readers:
                     self._send(child.conn, EngineExited(child.generation, child.rank, pid, code))
