@@ -19,13 +19,16 @@ class ModelRunner:
         cfg = model.cfg
         self.model, self.device, self.block_size = model, device, block_size
         # [layers, 2 (k/v), slots, KVH, D]; each layer's attention gets views into it. Block 0 is the
-        # null block: zeroed, never handed out, read by padded key positions (masked, but must not be NaN).
-        # The rest stays uninitialised: pages are touched only as blocks get used, so allocation is instant.
+        # null block: zeroed, never handed out, read by padded key positions (masked, but must not be NaN:
+        # 0 x NaN is NaN). The rest is zeroed block by block before its first use (the unwritten tail of a
+        # sequence's last block is read the same way), so allocation is instant and pages are touched only
+        # as blocks get used.
         self.kv_cache = torch.empty(
             cfg.num_hidden_layers, 2, (num_blocks + 1) * block_size, cfg.num_key_value_heads, cfg.head_dim,
             device=device, dtype=dtype,
         )
         self.kv_cache[:, :, :block_size].zero_()
+        self._zeroed = 1  # blocks below this are zeroed (or hold K/V written since)
         self.compiled = None  # engine/compiled.py CompiledForward, installed between steps by the fast path
         self.eager_steps = 0
         for i, layer in enumerate(model.model.layers):
@@ -104,6 +107,7 @@ class ModelRunner:
         """Run one step; return float32 logits [N, V] for the sequences whose want_logits is True, then,
         for each sequence whose all_logits is True, the logits at every one of its new tokens ([n_i, V]
         each, in batch order; prompt logprobs)."""
+        self._zero_up_to(max((max(seq.block_table) for seq, _ in batch if seq.block_table), default=0))
         input_ids, positions, meta, last = self._metadata(batch)
         bucket = self.compiled.bucket_for(len(input_ids)) if self.compiled is not None else None
         if bucket is not None:
@@ -123,11 +127,20 @@ class ModelRunner:
     @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: the K/V of block src into block dst, in every layer, for each (src, dst)."""
+        self._zero_up_to(max(max(pair) for pair in pairs))
         bs = self.block_size
         offsets = torch.arange(bs)
         src = (torch.tensor([s for s, _ in pairs])[:, None] * bs + offsets).flatten().to(self.device)
         dst = (torch.tensor([d for _, d in pairs])[:, None] * bs + offsets).flatten().to(self.device)
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]  # kv_cache: [layers, 2, slots, KVH, D]
+
+    def _zero_up_to(self, block: int) -> None:
+        """Zero the blocks up to BLOCK never used before (uninitialised memory may hold NaN bit patterns;
+        the block manager hands never-used blocks out in increasing order)."""
+        if block >= self._zeroed:
+            bs = self.block_size
+            self.kv_cache[:, :, self._zeroed * bs:(block + 1) * bs].zero_()
+            self._zeroed = block + 1
 
 
 def _all_positions(batch: list[tuple[Sequence, int]], all_logits: list[bool]) -> list[int]:
