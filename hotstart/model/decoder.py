@@ -33,6 +33,7 @@ class CausalLM(nn.Module):
         self.model = Backbone(cfg, max_positions or cfg.max_position_embeddings, fused)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.lm_head_packed: torch.Tensor | None = None  # oneDNN layout of output_weight(), set between steps
+        self.tp = None  # model/parallel.py TensorParallel: this model is one rank's part (set by parallel.shard)
 
     def post_load(self, device: torch.device, dtype: torch.dtype) -> None:
         """Build non-persistent state (rotary table) once real weights are in place."""
@@ -50,8 +51,10 @@ class CausalLM(nn.Module):
         """The LM head's [vocab, hidden] weight (the embedding's when tied)."""
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [N, hidden] -> logits: [N, vocab] in float32
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        # hidden: [N, hidden] -> logits: [N, vocab] in float32 (tensor parallel: gathered on rank 0, None elsewhere)
         if self.lm_head_packed is not None:
-            return packed.linear(hidden, self.lm_head_packed, None).float()
-        return (hidden @ self.output_weight().t()).float()
+            logits = packed.linear(hidden, self.lm_head_packed, None).float()
+        else:
+            logits = (hidden @ self.output_weight().t()).float()
+        return logits if self.tp is None else self.tp.gather_logits(logits, self.cfg.vocab_size)

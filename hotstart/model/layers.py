@@ -37,7 +37,9 @@ class PackedLinear(Linear):
 
     `shards` is the layout, the one place it is written: checkpoint projection name (a sibling of
     this module in the checkpoint, e.g. "q_proj") -> (first row, rows). The loader fills the rows of
-    each shard from that projection's tensors."""
+    each shard from that projection's tensors. With tensor parallelism the shards hold one rank's share
+    and `sources` says which rows of each projection that is: name -> (first row in the checkpoint
+    tensor, rows, the checkpoint tensor's rows); empty: all of them."""
 
     def __init__(self, in_features: int, shards: dict[str, int], bias: bool):
         super().__init__(in_features, sum(shards.values()), bias)
@@ -47,6 +49,11 @@ class PackedLinear(Linear):
             self.shards[name] = (row, rows)
             row += rows
         self.split_sizes = list(shards.values())
+        self.sources: dict[str, tuple[int, int, int]] = {}
+
+    def take_rank_rows(self, rank: int, world_size: int) -> None:
+        """Rank RANK of WORLD_SIZE: each shard is that rank's contiguous share of its projection."""
+        self.sources = {name: (rank * rows, rows, rows * world_size) for name, (_, rows) in self.shards.items()}
 
     def forward_split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # x: [T, in] -> one [T, rows] tensor per shard, in layout order

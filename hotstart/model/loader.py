@@ -18,6 +18,7 @@ from torch import nn
 
 from hotstart.config import ModelConfig
 from hotstart.errors import WeightsError
+from hotstart.model import parallel
 from hotstart.model.decoder import CausalLM
 from hotstart.model.layers import PackedLinear
 from hotstart.model.safetensors_io import PageToucher, SafetensorsFile
@@ -55,15 +56,16 @@ def load_model(
     max_positions: int | None = None,
     on_progress: Callable[[int], None] | None = None,
     fused: bool | None = None,
+    tp: parallel.TensorParallel | None = None,
 ) -> CausalLM:
     """Build CausalLM(cfg) and fill every parameter from FILES. on_progress gets the global byte offset
     (sum of earlier file sizes + offset in the current file) after each tensor. fused: pack q/k/v and
-    gate/up (default: on GPUs only)."""
+    gate/up (default: on GPUs only). tp: build and fill only rank tp.rank's part (model/parallel.py)."""
     device = torch.device(device)
     if fused is None:
         fused = device.type != "cpu"
     with torch.device("meta"):
-        model = CausalLM(cfg, max_positions, fused)
+        model = _build(cfg, max_positions, fused, tp)
     expected = {n: p for n, p in model.named_parameters()}
     names = _checkpoint_names(model)
     filled: dict[str, set[str | None]] = {}  # parameter -> shards loaded (None: not packed)
@@ -87,17 +89,18 @@ def load_model(
                 if info.dtype not in FLOAT_DTYPES:
                     raise WeightsError(f"{path}: tensor '{name}' has dtype {info.dtype}, expected a float dtype")
                 meta = expected[target]
+                split = parallel.split_of(model, target, proj) if tp is not None else None
                 if proj is None:
-                    want = tuple(meta.shape)
+                    want = parallel.full_shape(meta.shape, split)
                 else:
                     start, size = model.get_submodule(target.rpartition(".")[0]).shards[proj]
-                    want = (size, *meta.shape[1:])
+                    want = parallel.full_shape((size, *meta.shape[1:]), split)
                 if info.shape != want:
                     raise WeightsError(f"{path}: tensor '{name}' has shape {list(info.shape)}, expected {list(want)}")
-                src = st.get(info)
+                src = st.get(info) if split is None else parallel.rank_part(st, info, split)
                 if proj is None:
-                    param = src.to(device=device, dtype=dtype)
-                    if param.data_ptr() == src.data_ptr():
+                    param = src.to(device=device, dtype=dtype).contiguous()  # a column range is copied
+                    if split is None and param.data_ptr() == src.data_ptr():
                         st.populate(info)  # zero-copy: read the bytes now, not in the first forward
                         toucher.touch(param)
                     _set_param(model, target, param)
@@ -121,3 +124,12 @@ def load_model(
         raise WeightsError(f"{cfg.path}: missing tensor(s) {shown}{more}")
     model.post_load(device, dtype)
     return model.eval()
+
+
+def _build(cfg: ModelConfig, max_positions: int | None, fused: bool, tp: parallel.TensorParallel | None) -> CausalLM:
+    """The model on the current (meta) device: whole, or rank tp.rank's part of it."""
+    if tp is None:
+        return CausalLM(cfg, max_positions, fused)
+    model = CausalLM(parallel.local_config(cfg, tp.world_size), max_positions, fused)
+    parallel.shard(model, tp)
+    return model
