@@ -233,6 +233,10 @@ class EngineConfig:
                                   type=bucket_list)
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of prompt prefixes computed before "
                                                "(content-hashed full blocks, LRU eviction)", action="boolean")
+    tensor_parallel_size: int = option(1, "ranks the model is split over (tensor parallel, one process each, "
+                                          "forked from the one forkserver: gloo on CPU, NCCL on CUDA with rank r "
+                                          "on cuda:r); the attention and KV heads must be divisible by it",
+                                       short="-tp", type=at_least_one)
     cursor_path: str | None = None  # LoadCursor file shared with the API process's prefetcher (None: none)
     t0: float = 0.0  # launch time (time.time()) for the startup timeline
 

@@ -8,8 +8,8 @@ import time
 
 from hotstart.errors import HotstartError
 
-# engine options that make no sense offline (one sequence; --seed is the request's here)
-ENGINE_EXCLUDES = ("max_num_seqs", "max_num_batched_tokens", "seed")
+# engine options that make no sense offline (one sequence; --seed is the request's here; one process)
+ENGINE_EXCLUDES = ("max_num_seqs", "max_num_batched_tokens", "seed", "tensor_parallel_size")
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -211,7 +211,10 @@ class EngineExited(msgspec.Struct, tag="exited"):
     generation: int
     rank: int
     pid: int
-    code: int  # < 0: killed by signal -code
+    code: int  # < 0: killed by signal -code; RANK_LEFT: it left because another rank of its group exited
+
+
+RANK_LEFT = 3  # exit code of a tensor-parallel rank that followed another rank of its group out
 
 
 class ForkserverExited(msgspec.Struct, tag="server-exited"):

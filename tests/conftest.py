@@ -63,6 +63,17 @@ TINY = {
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 128},
                   rope_theta=500000.0),
 }
+# Tensor-parallel friendly (4 heads / 2 KV heads, intermediate even): Qwen2 (q/k/v bias), Qwen3 (q/k norm,
+# explicit head_dim, tied embeddings, an odd vocabulary: the last rank's vocab shard is shorter), Llama
+# (attention and MLP bias: the row-parallel layers add theirs after the all-reduce)
+TINY.update({
+    "qwen2-tp": dict(TINY["qwen2"], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2),
+    "qwen3-tp": dict(TINY["qwen3"], hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=24, vocab_size=509),
+    "llama-tp": dict(TINY["llama"], hidden_size=64, intermediate_size=112, num_attention_heads=4,
+                     num_key_value_heads=2, attention_bias=True, mlp_bias=True),
+})
 
 
 def make_tiny_checkpoint(family: str, out: Path, shard: bool = False, dtype: str = "float32") -> Path:

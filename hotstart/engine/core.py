@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +22,9 @@ from hotstart.errors import HotstartError
 from hotstart.messages import EngineRequest, EngineStats, SamplingParams, Span, TokenOutput
 from hotstart.model.files import weight_files
 from hotstart.system import cpu_flags, mem_available
+
+if TYPE_CHECKING:
+    from hotstart.engine.distributed import Group
 
 SpanHook = Callable[[Span], None]  # told of each startup phase as it ends
 
@@ -154,8 +158,9 @@ class EngineCore:
 
     @classmethod
     def build(cls, cfg: EngineConfig, on_span: SpanHook | None = None,
-              on_progress: Callable[[int], None] | None = None) -> EngineCore:
-        """Load config, weights and KV cache; report each phase through on_span."""
+              on_progress: Callable[[int], None] | None = None, group: Group | None = None) -> EngineCore:
+        """Load config, weights and KV cache; report each phase through on_span. With GROUP (tensor
+        parallel, engine/distributed.py): this rank's part of the model and of the KV cache."""
         from hotstart.model.loader import load_model  # noqa: PLC0415
 
         def phase(name: str, start: float, detail: str = "") -> None:
@@ -165,20 +170,28 @@ class EngineCore:
         t = time.time()
         model_cfg = load_model_config(cfg.model_path)
         placement = resolve_placement(cfg, model_cfg)
+        if group is not None:
+            placement = replace(placement, device=group.device)  # cuda:rank
         max_len = max_model_len_for(cfg, model_cfg)
         files = [p for p in cfg.weight_files] or [str(p) for p in weight_files(cfg.model_path)]
-        phase("engine config", t, f"{model_cfg.architecture} on {placement.device} {str(placement.dtype)[6:]}")
+        tp = f", rank {group.rank} of {group.world_size}" if group is not None else ""
+        phase("engine config", t, f"{model_cfg.architecture} on {placement.device} {str(placement.dtype)[6:]}{tp}")
 
         t = time.time()
-        model = load_model(model_cfg, files, placement.device, placement.dtype, max_len, on_progress=on_progress)
+        model = load_model(model_cfg, files, placement.device, placement.dtype, max_len, on_progress=on_progress,
+                           tp=group.tp if group is not None else None)
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        phase("weights loaded", t, f"{nbytes / 1e6:.0f} MB in {len(files)} file(s)")
+        phase("weights loaded", t, f"{nbytes / 1e6:.0f} MB in {len(files)} file(s){tp}")
 
         t = time.time()
         per_token = kv_bytes_per_token(model, placement.dtype)
         zero_copy = placement.device.type == "cpu" and str(placement.dtype)[6:] == model_cfg.torch_dtype
         num_blocks, kv_why = kv_cache_blocks(cfg, per_token, max_len, placement.device, nbytes if zero_copy else 0)
+        if group is not None:
+            num_blocks = group.min_over_ranks(num_blocks)  # every rank holds its heads of the same blocks
         runner = ModelRunner(model, num_blocks, cfg.block_size, placement.device, placement.dtype)
+        if group is not None and group.rank == 0:
+            runner.peers = group
         phase("KV cache allocated", t, f"{num_blocks} blocks x {cfg.block_size} tokens ({kv_why})")
         return cls(runner, replace(cfg, weight_files=tuple(files)), model_cfg, num_blocks, max_len, placement)
 

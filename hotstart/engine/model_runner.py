@@ -1,6 +1,12 @@
-"""Owns the model and the paged KV cache; turns a scheduled batch into one forward pass."""
+"""Owns the model and the paged KV cache; turns a scheduled batch into one forward pass.
+
+A step's inputs are plain lists (StepInputs): with tensor parallelism rank 0 sends them to the other
+ranks (engine/distributed.py), and every rank builds the same metadata from them.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -10,8 +16,29 @@ from hotstart.model.attention import AttnMetadata, DecodeGroup, PrefillGroup
 
 
 def kv_bytes_per_token(model: CausalLM, dtype: torch.dtype) -> int:
-    cfg = model.cfg
+    cfg = model.cfg  # one rank's share of the KV heads under tensor parallelism
     return 2 * cfg.num_hidden_layers * cfg.kv_size * dtype.itemsize
+
+
+@dataclass
+class StepInputs:
+    """What one forward needs, per batch entry (in batch order)."""
+
+    token_ids: list[int]  # [T] the new tokens of every entry, flattened
+    starts: list[int]  # [B] tokens already computed (the first new token's position)
+    lens: list[int]  # [B] new tokens
+    tables: list[list[int]]  # [B] KV block tables
+    want_logits: list[bool]  # [B] logits at the entry's last token
+    all_logits: list[bool] | None = None  # [B] logits at every new token (prompt logprobs)
+
+    @classmethod
+    def of(cls, batch: list[tuple[Sequence, int]], want_logits: list[bool],
+           all_logits: list[bool] | None = None) -> StepInputs:
+        ids: list[int] = []
+        for seq, n in batch:
+            ids += seq.token_ids[seq.num_computed_tokens:seq.num_computed_tokens + n]
+        return cls(ids, [seq.num_computed_tokens for seq, _ in batch], [n for _, n in batch],
+                   [seq.block_table for seq, _ in batch], want_logits, all_logits)
 
 
 class ModelRunner:
@@ -31,61 +58,59 @@ class ModelRunner:
         self._zeroed = 1  # blocks below this are zeroed (or hold K/V written since)
         self.compiled = None  # engine/compiled.py CompiledForward, installed between steps by the fast path
         self.eager_steps = 0
+        self.peers = None  # tensor parallel rank 0: the engine/distributed.py Group each step is sent to first
         for i, layer in enumerate(model.model.layers):
             layer.self_attn.k_cache = self.kv_cache[i, 0]
             layer.self_attn.v_cache = self.kv_cache[i, 1]
 
-    def _metadata(self, batch: list[tuple[Sequence, int]]):
-        """(input ids [T], positions [T], AttnMetadata, flat index of each sequence's last token [B]),
+    def _metadata(self, s: StepInputs):
+        """(input ids [T], positions [T], AttnMetadata, flat index of each entry's last token [B]),
         from Python lists turned into tensors once: no per-token tensor work."""
         bs = self.block_size
-        ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         last: list[int] = []
         dec: list[int] = []  # batch entries with one new token
         pre: list[int] = []  # batch entries with several
-        for i, (seq, n) in enumerate(batch):
-            start, table = seq.num_computed_tokens, seq.block_table
-            ids += seq.token_ids[start:start + n]
+        flat = 0
+        for i, (start, n, table) in enumerate(zip(s.starts, s.lens, s.tables)):
             for pos in range(start, start + n):
                 positions.append(pos)
                 slots.append(table[pos // bs] * bs + pos % bs)
-            last.append(len(ids) - 1)
+            flat += n
+            last.append(flat - 1)
             (dec if n == 1 else pre).append(i)
-        offsets = [lst - n + 1 for lst, (_, n) in zip(last, batch)]  # first flat index of each entry
-        all_ = len(dec) == len(batch) or len(pre) == len(batch)
+        offsets = [lst - n + 1 for lst, n in zip(last, s.lens)]  # first flat index of each entry
+        all_ = len(dec) == len(s.lens) or len(pre) == len(s.lens)
         meta = AttnMetadata(
             slot_mapping=self._tensor(slots), block_size=bs,
-            decode=self._decode_group(batch, dec, last, all_) if dec else None,
-            prefill=self._prefill_group(batch, pre, offsets, all_) if pre else None,
+            decode=self._decode_group(s, dec, last, all_) if dec else None,
+            prefill=self._prefill_group(s, pre, offsets, all_) if pre else None,
         )
-        return self._tensor(ids), self._tensor(positions), meta, self._tensor(last)
+        return self._tensor(s.token_ids), self._tensor(positions), meta, self._tensor(last)
 
     def _tensor(self, values: list[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
-    def _tables(self, seqs: list[Sequence], context: list[int]) -> torch.Tensor:
+    def _tables(self, tables: list[list[int]], context: list[int]) -> torch.Tensor:
         # [B, nb] block tables padded with the null block 0 to the longest context of the group
         nb = -(-max(context) // self.block_size)
-        return self._tensor([seq.block_table[:nb] + [0] * (nb - min(nb, len(seq.block_table))) for seq in seqs])
+        return self._tensor([table[:nb] + [0] * (nb - min(nb, len(table))) for table in tables])
 
-    def _decode_group(self, batch, entries: list[int], last: list[int], everything: bool) -> DecodeGroup:
-        seqs = [batch[i][0] for i in entries]
-        context = [seq.num_computed_tokens + 1 for seq in seqs]
-        tables = self._tables(seqs, context)
+    def _decode_group(self, s: StepInputs, entries: list[int], last: list[int], everything: bool) -> DecodeGroup:
+        context = [s.starts[i] + 1 for i in entries]
+        tables = self._tables([s.tables[i] for i in entries], context)
         keys = torch.arange(tables.shape[1] * self.block_size)
-        bias = torch.zeros(len(seqs), keys.shape[0])
+        bias = torch.zeros(len(entries), keys.shape[0])
         bias.masked_fill_(keys[None, :] >= torch.tensor(context)[:, None], float("-inf"))
         tokens = None if everything else self._tensor([last[i] for i in entries])
         return DecodeGroup(tokens, tables, bias[:, None, None, :].to(self.device))
 
-    def _prefill_group(self, batch, entries: list[int], offsets: list[int], everything: bool) -> PrefillGroup:
-        seqs = [batch[i][0] for i in entries]
-        lens = [batch[i][1] for i in entries]
-        starts = [seq.num_computed_tokens for seq in seqs]
-        context = [s + n for s, n in zip(starts, lens)]
-        tables = self._tables(seqs, context)
+    def _prefill_group(self, s: StepInputs, entries: list[int], offsets: list[int], everything: bool) -> PrefillGroup:
+        lens = [s.lens[i] for i in entries]
+        starts = [s.starts[i] for i in entries]
+        context = [st + n for st, n in zip(starts, lens)]
+        tables = self._tables([s.tables[i] for i in entries], context)
         q_max, l_max = max(lens), tables.shape[1] * self.block_size
         group_first = torch.tensor([0] + lens[:-1]).cumsum(0)  # [Bp] first index of each in the group
         qi = torch.arange(q_max)
@@ -107,8 +132,16 @@ class ModelRunner:
         """Run one step; return float32 logits [N, V] for the sequences whose want_logits is True, then,
         for each sequence whose all_logits is True, the logits at every one of its new tokens ([n_i, V]
         each, in batch order; prompt logprobs)."""
-        self._zero_up_to(max((max(seq.block_table) for seq, _ in batch if seq.block_table), default=0))
-        input_ids, positions, meta, last = self._metadata(batch)
+        return self.run(StepInputs.of(batch, want_logits, all_logits))
+
+    @torch.inference_mode()
+    def run(self, s: StepInputs) -> torch.Tensor | None:
+        """forward() on plain inputs (tensor parallel ranks > 0 get them from rank 0; their logits: None)."""
+        if self.peers is not None:
+            self.peers.send_step(s)
+        want_logits, all_logits = s.want_logits, s.all_logits
+        self._zero_up_to(max((max(t) for t in s.tables if t), default=0))
+        input_ids, positions, meta, last = self._metadata(s)
         bucket = self.compiled.bucket_for(len(input_ids)) if self.compiled is not None else None
         if bucket is not None:
             hidden = self.compiled.forward(input_ids, positions, meta, bucket)
@@ -116,7 +149,7 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, meta)
             self.eager_steps += 1
         rows = [i for i, w in enumerate(want_logits) if w]
-        extra = _all_positions(batch, all_logits) if all_logits else []
+        extra = _all_positions(s.lens, all_logits) if all_logits else []
         if not rows and not extra:
             return None
         index = last[rows]
@@ -127,12 +160,15 @@ class ModelRunner:
     @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: the K/V of block src into block dst, in every layer, for each (src, dst)."""
+        if self.peers is not None:
+            self.peers.send_copies(pairs)
         self._zero_up_to(max(max(pair) for pair in pairs))
         bs = self.block_size
         offsets = torch.arange(bs)
         src = (torch.tensor([s for s, _ in pairs])[:, None] * bs + offsets).flatten().to(self.device)
         dst = (torch.tensor([d for _, d in pairs])[:, None] * bs + offsets).flatten().to(self.device)
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]  # kv_cache: [layers, 2, slots, KVH, D]
+
 
     def _zero_up_to(self, block: int) -> None:
         """Zero the blocks up to BLOCK never used before (uninitialised memory may hold NaN bit patterns;
@@ -143,11 +179,11 @@ class ModelRunner:
             self._zeroed = block + 1
 
 
-def _all_positions(batch: list[tuple[Sequence, int]], all_logits: list[bool]) -> list[int]:
+def _all_positions(lens: list[int], all_logits: list[bool]) -> list[int]:
     """Flat token indices of every new token of the batch entries flagged in ALL_LOGITS."""
     out: list[int] = []
     flat = 0
-    for (_, n), wanted in zip(batch, all_logits, strict=True):
+    for n, wanted in zip(lens, all_logits, strict=True):
         if wanted:
             out.extend(range(flat, flat + n))
         flat += n

@@ -1,8 +1,10 @@
 """The engine process: build the EngineCore, then serve requests over zmq until told to stop.
 
 It runs forked from the warm forkserver (hotstart.forkserver.server) or spawned directly
-(`python -m hotstart.engine.worker CONFIG_JSON IN_ADDR OUT_ADDR`) when pre-spawn is off.
-A message it cannot decode is logged and, when it names a request, answered with an error for it.
+(`python -m hotstart.engine.worker CONFIG_JSON IN_ADDR OUT_ADDR [RANK WORLD_SIZE]`) when pre-spawn is
+off. A message it cannot decode is logged and, when it names a request, answered with an error for it.
+With tensor parallelism (WORLD_SIZE > 1) rank 0 is that engine and broadcasts each step to the other
+ranks, which run engine/distributed.py's loop and talk to nobody else.
 """
 
 from __future__ import annotations
@@ -10,18 +12,20 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 import msgspec
 import torch  # noqa: F401 - imported here so the forkserver preloads it
 import zmq
 
 from hotstart.config import EngineConfig
+from hotstart.engine import distributed
 from hotstart.engine.core import EngineCore
 from hotstart.engine.fastpath import FastPath
 from hotstart.errors import HotstartError
 from hotstart.messages import (
-    AbortRequest, EngineAddresses, EngineFailed, EngineReady, EngineRequest, Shutdown, StepOutputs, TokenOutput,
-    encoder, to_engine_decoder,
+    RANK_LEFT, AbortRequest, EngineAddresses, EngineFailed, EngineReady, EngineRequest, Shutdown, Span,
+    StepOutputs, TokenOutput, encoder, to_engine_decoder,
 )
 from hotstart.model.cursor import LoadCursor
 
@@ -51,9 +55,49 @@ def _undecodable(raw: bytes, err: Exception) -> TokenOutput | None:
     return None
 
 
+def _open_cursor(cfg: EngineConfig, rank: int) -> LoadCursor | None:
+    if not cfg.cursor_path:
+        return None
+    try:
+        return LoadCursor.open(cfg.cursor_path, rank)
+    except (OSError, ValueError):
+        return None  # best effort: the prefetcher then runs uncoordinated
+
+
+def _join(cfg: EngineConfig, addresses: EngineAddresses, rank: int, world_size: int, send=None):
+    t = time.time()
+    group = distributed.start(cfg, addresses, rank, world_size)
+    if send is not None:
+        send(Span("tensor-parallel group joined", t, time.time(), "engine",
+                  f"{world_size} ranks, {group.backend}"))
+    return group
+
+
+def run_rank(cfg: EngineConfig, addresses: EngineAddresses, rank: int, world_size: int) -> int:
+    """A tensor-parallel rank > 0: join, build this rank's part, then follow rank 0 until it stops."""
+    cursor = _open_cursor(cfg, rank)
+    try:
+        group = _join(cfg, addresses, rank, world_size)
+        core = EngineCore.build(cfg, on_progress=cursor.advance if cursor else None, group=group)
+    except BaseException as e:  # noqa: BLE001 - reported, then the group goes down with this rank
+        print(f"hotstart: engine rank {rank}: {_fatal_message(e)}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if cursor is not None:
+            cursor.close()
+    try:
+        distributed.follow(core.runner, group)
+    except RuntimeError as e:  # a collective failed: rank 0 (or another rank) is gone
+        if not group.leaving:
+            print(f"hotstart: engine rank {rank}: the tensor-parallel group broke ({e}); leaving",
+                  file=sys.stderr, flush=True)
+        return RANK_LEFT
+    return 0
+
+
 def run_engine(cfg: EngineConfig, addresses: EngineAddresses, rank: int = 0, world_size: int = 1) -> int:
-    if world_size != 1 or rank != 0:
-        raise ValueError(f"rank {rank} of {world_size}: this engine runs one rank")
+    if rank > 0:
+        return run_rank(cfg, addresses, rank, world_size)
     ctx = zmq.Context(io_threads=1)
     pull = ctx.socket(zmq.PULL)
     pull.connect(addresses.requests)
@@ -62,14 +106,12 @@ def run_engine(cfg: EngineConfig, addresses: EngineAddresses, rank: int = 0, wor
     push.connect(addresses.outputs)
     send = lambda msg: push.send(encoder.encode(msg))  # noqa: E731
 
-    cursor = None
+    cursor = group = None
     try:
-        if cfg.cursor_path:
-            try:
-                cursor = LoadCursor.open(cfg.cursor_path)
-            except (OSError, ValueError):
-                cursor = None  # best effort: the prefetcher then runs uncoordinated
-        core = EngineCore.build(cfg, send, cursor.advance if cursor else None)
+        cursor = _open_cursor(cfg, 0)
+        if world_size > 1:
+            group = _join(cfg, addresses, 0, world_size, send)
+        core = EngineCore.build(cfg, send, cursor.advance if cursor else None, group=group)
     except BaseException as e:  # noqa: BLE001 - any startup failure is reported, then the process exits
         send(EngineFailed(_fatal_message(e)))
         push.close(linger=2000)
@@ -110,10 +152,20 @@ def run_engine(cfg: EngineConfig, addresses: EngineAddresses, rank: int = 0, wor
                 elif isinstance(msg, Shutdown):
                     running = False
         if running and core.has_work():
-            outputs = core.step()
+            try:
+                outputs = core.step()
+            except RuntimeError as e:
+                if group is None:
+                    raise
+                print(f"hotstart: engine: the tensor-parallel group broke ({e}); exiting", file=sys.stderr, flush=True)
+                return RANK_LEFT
             send(StepOutputs(outputs, core.stats()))
+        elif group is not None:
+            group.heartbeat()
         if running:
             fast.tick(idle=not core.has_work())  # between two steps: swaps in what is ready
+    if group is not None:
+        group.send_shutdown()
     fast.close()
     push.close(linger=1000)
     pull.close(linger=0)
@@ -124,7 +176,8 @@ def run_engine(cfg: EngineConfig, addresses: EngineAddresses, rank: int = 0, wor
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process orchestrates shutdown
     cfg = msgspec.json.decode(sys.argv[1], type=EngineConfig)
-    code = run_engine(cfg, EngineAddresses(sys.argv[2], sys.argv[3]))
+    rank, world_size = (int(sys.argv[4]), int(sys.argv[5])) if len(sys.argv) > 5 else (0, 1)
+    code = run_engine(cfg, EngineAddresses(sys.argv[2], sys.argv[3]), rank, world_size)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # skip torch's slow interpreter teardown

@@ -53,7 +53,7 @@ class EngineLauncher:
         self.ipc_dir = tempfile.mkdtemp(prefix="hotstart-ipc-")
         self.generation = 0  # bumped per engine: a replacement never sees its predecessor's sockets
         self.server: subprocess.Popen | None = None
-        self.direct: subprocess.Popen | None = None
+        self.direct: dict[int, subprocess.Popen] = {}  # rank -> directly spawned engine process
         self.engine_pids: dict[int, int] = {}  # rank -> pid of the current generation
         self.server_restarts = 0
         self.started_at: float | None = None
@@ -113,8 +113,9 @@ class EngineLauncher:
         g = self.generation
         return EngineAddresses(f"ipc://{self.ipc_dir}/in-{g}", f"ipc://{self.ipc_dir}/out-{g}")
 
-    def spawn(self, cfg: EngineConfig, new_generation: bool = False, world_size: int = 1) -> None:
-        """Ask for an engine. With the forkserver this returns at once (it forks when its preload is done)."""
+    def spawn(self, cfg: EngineConfig, new_generation: bool = False, world_size: int | None = None) -> None:
+        """Ask for an engine of WORLD_SIZE ranks (default: cfg.tensor_parallel_size). With the forkserver
+        this returns at once (it forks when its preload is done)."""
         import msgspec  # noqa: PLC0415
 
         from hotstart.messages import EngineSpawned, SpawnEngine, Span  # noqa: PLC0415
@@ -123,6 +124,7 @@ class EngineLauncher:
             self.generation += 1
         self.engine_pids = {}
         addresses = self.addresses()
+        world_size = world_size or cfg.tensor_parallel_size
         if self._sock is not None:
             from hotstart.framing import send  # noqa: PLC0415
 
@@ -131,15 +133,19 @@ class EngineLauncher:
             except OSError:  # the server is gone (a stopped zygote): poll_events reports its EOF
                 pass
             return
-        start = time.time()
         payload = msgspec.json.encode(cfg).decode()
-        self.direct = subprocess.Popen(
-            [sys.executable, "-m", "hotstart.engine.worker", payload, addresses.requests, addresses.outputs],
-            stdin=subprocess.DEVNULL,
-        )
-        self.engine_pids = {0: self.direct.pid}
-        span = Span("engine spawned", start, time.time(), "api", f"pid {self.direct.pid}")
-        self._pending.append(EngineSpawned(self.generation, 0, self.direct.pid, span))
+        for rank in range(world_size):
+            start = time.time()
+            ranks = [str(rank), str(world_size)] if world_size > 1 else []
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "hotstart.engine.worker", payload, addresses.requests, addresses.outputs,
+                 *ranks], stdin=subprocess.DEVNULL,
+            )
+            self.direct[rank] = proc
+            self.engine_pids[rank] = proc.pid
+            name = f"engine spawned (rank {rank})" if world_size > 1 else "engine spawned"
+            span = Span(name, start, time.time(), "api", f"pid {proc.pid}")
+            self._pending.append(EngineSpawned(self.generation, rank, proc.pid, span))
 
     def fileno(self) -> int | None:
         """Readable when forkserver events arrive (for an event loop's add_reader)."""
@@ -180,9 +186,10 @@ class EngineLauncher:
                     events.append(ForkserverExited(self.server.poll() if self.server is not None else None))
                     self._close_server(grace=0.5)
                     break
-        if self.direct is not None and self.direct.poll() is not None:
-            events.append(EngineExited(self.generation, 0, self.direct.pid, self.direct.returncode))
-            self.direct = None
+        for rank, proc in list(self.direct.items()):
+            if proc.poll() is not None:
+                events.append(EngineExited(self.generation, rank, proc.pid, proc.returncode))
+                del self.direct[rank]
         current = []
         for ev in events:
             if isinstance(ev, (EngineSpawned, EngineExited)) and ev.generation != self.generation:
@@ -205,6 +212,20 @@ class EngineLauncher:
         self.last_lost = "zygote"
         self._close_server(grace=0)
         self._pending.append(ForkserverExited(None))
+
+    def stop_engine(self) -> None:
+        """Stop every rank of the current generation (one rank died: the group goes with it)."""
+        if self._sock is not None:
+            from hotstart.framing import send  # noqa: PLC0415
+            from hotstart.messages import StopEngine  # noqa: PLC0415
+
+            try:
+                send(self._sock, StopEngine(self.generation))
+            except OSError:  # the server is gone: poll_events reports it
+                pass
+        elif self.direct:
+            terminate_then_kill(list(self.direct.values()), STOP_GRACE_S)
+            self.direct = {}
 
     def kill_engine(self) -> None:
         """SIGKILL every rank of the current engine (its exit events follow as usual)."""
@@ -254,7 +275,7 @@ class EngineLauncher:
                 pass
             engines = list(self.engine_pids.values())
         self.stop_server()
-        procs = [p for p in (self.server, self.direct) if p is not None]
+        procs = [p for p in (self.server, *self.direct.values()) if p is not None]
         if self._lifeline is not None:
             os.close(self._lifeline)
             self._lifeline = None
@@ -264,7 +285,7 @@ class EngineLauncher:
             except OSError:
                 pass
             self._sock = None
-        self.server = self.direct = None
+        self.server, self.direct = None, {}
         self.zygote_pid = None
         if terminate_then_kill(procs + engines, timeout):
             self.kill_engine()  # the forkserver was SIGKILLed before it could stop its engines

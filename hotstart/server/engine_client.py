@@ -8,6 +8,9 @@ dies (an OOM kill of the process tree), a fresh forkserver is started and the en
 socket stays bound and clients see 503 until it is ready. Deaths in a tight loop end the server.
 An engine forked by a zygote reports the same events; a zygote that dies (or does not fork) before the
 first READY is replaced by a local forkserver as if there had been none, whatever --no-restart says.
+With tensor parallelism the engine is a group of ranks (the API process talks to rank 0): the death of
+any rank of the current generation is the engine's death; the rest of the group is stopped and all
+ranks are forked again.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from hotstart.boot.timeline import Timeline
 from hotstart.config import EngineConfig
 from hotstart.forkserver.client import EngineLauncher
 from hotstart.messages import (
-    AbortRequest, EngineExited, EngineFailed, EngineReady, EngineRequest, EngineSpawned, EngineStats,
+    RANK_LEFT, AbortRequest, EngineExited, EngineFailed, EngineReady, EngineRequest, EngineSpawned, EngineStats,
     FastPathStatus, ForkserverExited, SamplingParams, ServerInfo, Shutdown, Span, StepOutputs, TokenOutput, encoder,
     from_engine_decoder,
 )
@@ -70,7 +73,7 @@ class EngineClient:
     # --- lifecycle --------------------------------------------------------------------------
     def spawn(self, new_generation: bool = False) -> None:
         """Ask for the engine process now (sync; callable before the event loop exists)."""
-        self.launcher.spawn(self.cfg, new_generation)
+        self.launcher.spawn(self.cfg, new_generation, world_size=self.cfg.tensor_parallel_size)
 
     async def start(self) -> None:
         """Bind the sockets and start listening (inside the event loop)."""
@@ -116,7 +119,10 @@ class EngineClient:
             await asyncio.sleep(DIRECT_POLL_S)
 
     def _on_launcher_event(self) -> None:
-        for ev in self.launcher.poll_events():
+        events = self.launcher.poll_events()
+        # a group's death is told by its cause: ranks that followed another rank out come last
+        events.sort(key=lambda ev: isinstance(ev, EngineExited) and ev.code == RANK_LEFT)
+        for ev in events:
             if isinstance(ev, ServerInfo):
                 if self.server_info is None:  # a replacement forkserver is not part of startup
                     self.timeline.record(ev.preload)
@@ -126,8 +132,12 @@ class EngineClient:
                     self.timeline.record(ev.fork)
             elif self._closing:
                 continue
-            elif isinstance(ev, EngineExited) and ev.rank == 0:
-                self._engine_died(f"engine process exited (code {ev.code})", forkserver_dead=False)
+            elif isinstance(ev, EngineExited) and ev.generation == self.launcher.generation:
+                # any rank: a group without one of its ranks cannot run (the other exits of the group in
+                # this batch are of a generation replaced meanwhile)
+                tp = self.cfg.tensor_parallel_size
+                what = f"engine rank {ev.rank} of {tp} exited" if tp > 1 else "engine process exited"
+                self._engine_died(f"{what} (code {ev.code})", forkserver_dead=False)
             elif isinstance(ev, ForkserverExited):
                 code = "" if ev.code is None else f" (code {ev.code})"
                 self._engine_died(f"{self.launcher.last_lost} exited{code}", forkserver_dead=True)
@@ -179,6 +189,8 @@ class EngineClient:
         self._fail_requests(message)
         if self.on_fatal is not None:
             self.on_fatal(message)
+        elif self.cfg.tensor_parallel_size > 1:
+            self.launcher.stop_engine()  # the ranks still alive of the dead generation
 
     async def _read_outputs(self, sock) -> None:
         while True:

@@ -91,7 +91,7 @@ def run_serve(args: argparse.Namespace, cfg: ServeConfig, t0: float, launcher: E
         if cfg.prefetch:
             from hotstart.model.cursor import LoadCursor  # noqa: PLC0415
 
-            cursor = LoadCursor.create()
+            cursor = LoadCursor.create(ranks=getattr(args, "tensor_parallel_size", 1))  # a slot per rank
         engine_cfg = EngineConfig.from_args(args, model_path=str(model.path), weight_files=tuple(map(str, files)),
                                             cursor_path=cursor.path if cursor is not None else None, t0=t0)
         if launcher.use_forkserver:

@@ -1,0 +1,68 @@
+"""One rank of a tensor-parallel group for tests/test_tensor_parallel.py (run as a script, one process per
+rank): join the group through INIT_FILE, then for each case build this rank's part of the model the way
+the engine does and run a prefill and a decode step driven by rank 0's broadcasts; rank 0 saves the
+gathered logits to OUT.
+
+    python tests/tp_ranks.py RANK WORLD INIT_FILE CASES_JSON OUT
+CASES_JSON: [{"name", "model", "fused", "ids"}]. fused=True: the GPU layout (PackedLinear) on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+from hotstart.config import EngineConfig, load_model_config
+from hotstart.engine import distributed
+from hotstart.engine.core import EngineCore
+from hotstart.engine.model_runner import ModelRunner, StepInputs
+from hotstart.model.files import weight_files
+from hotstart.model.loader import load_model
+
+MAX_LEN, BLOCK = 128, 16
+
+
+def runner_for(case: dict, group: distributed.Group | None) -> ModelRunner:
+    files = tuple(str(p) for p in weight_files(case["model"]))
+    if not case["fused"]:  # the engine's own path: EngineCore.build (zero-copy unfused weights on CPU)
+        cfg = EngineConfig(model_path=case["model"], weight_files=files, device="cpu", dtype="float32",
+                           max_model_len=MAX_LEN, kv_cache_memory=4 << 20)
+        return EngineCore.build(cfg, group=group).runner
+    model = load_model(load_model_config(case["model"]), files, "cpu", torch.float32, MAX_LEN, fused=True,
+                       tp=group.tp if group is not None else None)
+    runner = ModelRunner(model, 2 * MAX_LEN // BLOCK, BLOCK, torch.device("cpu"), torch.float32)
+    if group is not None and group.rank == 0:
+        runner.peers = group
+    return runner
+
+
+def prefill_and_decode(runner: ModelRunner, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits [V] after the prompt, and after one more (greedy) token read back from the KV cache."""
+    table = list(range(1, MAX_LEN // BLOCK + 1))
+    first = runner.run(StepInputs(list(ids), [0], [len(ids)], [table], [True]))[0]
+    second = runner.run(StepInputs([int(first.argmax())], [len(ids)], [1], [table], [True]))[0]
+    return first, second
+
+
+def main() -> None:
+    rank, world, init_file, cases, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+    group = distributed.Group.join(rank, world, torch.device("cpu"), init_file)
+    results = {}
+    for case in json.loads(cases):
+        runner = runner_for(case, group)
+        if rank == 0:
+            results[case["name"]] = prefill_and_decode(runner, case["ids"])
+            group.send_shutdown()  # ends this case's loop on the other ranks
+        else:
+            distributed.follow(runner, group)
+    if rank == 0:
+        torch.save(results, out)
+    sys.stdout.flush()
+    os._exit(0)  # as the engine: no teardown of the process group's threads
+
+
+if __name__ == "__main__":
+    main()
