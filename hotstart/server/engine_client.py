@@ -174,6 +174,8 @@ class EngineClient:
             self._unwatch_launcher()
             self.launcher.restart_server()
             self._watch_launcher()
+        elif self.cfg.tensor_parallel_size > 1:
+            self.launcher.stop_engine()  # the ranks still alive of the dead generation
         self.spawn(new_generation=True)
         self._bind()
 
@@ -189,8 +191,6 @@ class EngineClient:
         self._fail_requests(message)
         if self.on_fatal is not None:
             self.on_fatal(message)
-        elif self.cfg.tensor_parallel_size > 1:
-            self.launcher.stop_engine()  # the ranks still alive of the dead generation
 
     async def _read_outputs(self, sock) -> None:
         while True:
