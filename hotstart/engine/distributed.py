@@ -39,6 +39,7 @@ HEADER = 6  # [op, payload length, then the op's sizes]
 TIMEOUT = timedelta(minutes=30)  # one collective's limit; an idle rank 0 sends a no-op every HEARTBEAT_S
 HEARTBEAT_S = 60.0
 POLL_S = 0.2  # the watchdog's period where pidfd_open is missing
+LINGER_S = 0.5  # a rank following another out waits this long first: the dead rank's exit is reported first
 
 
 def rendezvous_file(addresses: EngineAddresses) -> str:
@@ -177,10 +178,14 @@ class Group:
         self._peer_gone()
 
     def _peer_gone(self) -> None:
-        if self.leaving:  # shutting down: the main thread exits on its own
-            return
-        print(f"hotstart: engine rank {self.rank}: another rank of the tensor-parallel group exited; leaving",
-              file=sys.stderr, flush=True)
+        if not self.leaving:  # shutting down: the main thread exits on its own
+            self.leave("another rank of the tensor-parallel group exited")
+
+    def leave(self, why: str) -> None:
+        """Exit RANK_LEFT because the group broke, after LINGER_S: the rank that died is reported first
+        (the API process usually stops this one meanwhile)."""
+        print(f"hotstart: engine rank {self.rank}: {why}; leaving", file=sys.stderr, flush=True)
+        time.sleep(LINGER_S)
         os._exit(RANK_LEFT)
 
 

@@ -89,8 +89,7 @@ def run_rank(cfg: EngineConfig, addresses: EngineAddresses, rank: int, world_siz
         distributed.follow(core.runner, group)
     except RuntimeError as e:  # a collective failed: rank 0 (or another rank) is gone
         if not group.leaving:
-            print(f"hotstart: engine rank {rank}: the tensor-parallel group broke ({e}); leaving",
-                  file=sys.stderr, flush=True)
+            group.leave(f"the tensor-parallel group broke ({e})")
         return RANK_LEFT
     return 0
 
@@ -157,8 +156,7 @@ def run_engine(cfg: EngineConfig, addresses: EngineAddresses, rank: int = 0, wor
             except RuntimeError as e:
                 if group is None:
                     raise
-                print(f"hotstart: engine: the tensor-parallel group broke ({e}); exiting", file=sys.stderr, flush=True)
-                return RANK_LEFT
+                group.leave(f"the tensor-parallel group broke ({e})")
             send(StepOutputs(outputs, core.stats()))
         elif group is not None:
             group.heartbeat()
