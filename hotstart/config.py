@@ -224,10 +224,11 @@ class EngineConfig:
     gpu_memory_utilization: float = option(0.9, "fraction of GPU memory the engine may use (weights + KV cache)",
                                            type=fraction)
     seed: int = option(0, "seed of the sampler's default generator", type=int)
-    compile: str = option("auto", "the fast path, built behind READY: auto = packed oneDNN weights + compiled "
-                                  "layer graphs where a C++ compiler exists (CPU); eager-only = packed weights, "
-                                  "no compiling; off = the plain eager path only",
-                          choices=["auto", "eager-only", "off"], env="HOTSTART_COMPILE")
+    compile: str = option("auto", "the fast path, built behind READY: auto = oneDNN-packed weights where their "
+                                  "copy fits in memory, else compiled layer graphs where a C++ compiler exists "
+                                  "(CPU); eager-only = packed weights, never a compiler; graphs = compiled "
+                                  "graphs over the plain weights; off = the plain eager path only",
+                          choices=["auto", "eager-only", "graphs", "off"], env="HOTSTART_COMPILE")
     compile_buckets: str = option("1,2,4,8,16,32,64", "token counts the compiled graphs are built for "
                                                       "(a step of T tokens runs on the smallest bucket >= T)",
                                   type=bucket_list)

@@ -36,7 +36,6 @@ def test_packed_linear_equals_plain():
             x = torch.randn(rows, 80, generator=g).to(dtype)
             ref = F.linear(x, w, b)
             assert (packed.linear(x, p, b) - ref).abs().max().item() <= tol * ref.abs().max().item()
-            assert torch.equal(torch.ops.hotstart.packed_linear(x, p, b), packed.linear(x, p, b))
 
 
 def _core(model_dir, dtype="float32", buckets="8") -> EngineCore:
@@ -82,14 +81,14 @@ def _build(core: EngineCore, mode: str, timeout: float = 240.0) -> tuple[FastPat
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
-def test_packed_and_compiled_equal_plain_eager_in_float32(family, tiny_checkpoint, tmp_path, monkeypatch):
+def test_compiled_graphs_equal_plain_eager_in_float32(family, tiny_checkpoint, tmp_path, monkeypatch):
     monkeypatch.setenv("HOTSTART_HOME", str(tmp_path))
     core = _core(tiny_checkpoint(family))
     ref_logits: list = []
     ref = _greedy(core, ref_logits)
-    fast, sent = _build(core, "auto")
+    fast, sent = _build(core, "graphs")
     status = fast.status()
-    assert status.packing.startswith("packed") and status.compile == "done", status
+    assert status.packing.startswith("off") and status.compile == "done", status
     assert [(b.tokens, b.state) for b in status.buckets] == [(8, "ready")]
     logits: list = []
     assert _greedy(core, logits) == ref  # identical greedy tokens
@@ -97,7 +96,7 @@ def test_packed_and_compiled_equal_plain_eager_in_float32(family, tiny_checkpoin
     for a, b in zip(logits, ref_logits, strict=True):
         assert (a - b).abs().max().item() < 1e-4
     names = [m.name for m in sent if isinstance(m, Span)]
-    assert names == ["weights packed (oneDNN)", "compiled graph ready (8 tokens)"]
+    assert names == ["compiled graph ready (8 tokens)"]
     assert any(isinstance(m, FastPathStatus) for m in sent)
     fast.close()
 
@@ -108,6 +107,17 @@ def test_packed_weights_are_exact_in_bfloat16(default_model_dir):
     fast, _ = _build(core, "eager-only")
     assert fast.status().packing.startswith("packed") and fast.status().compile.startswith("off")
     assert _greedy(core) == ref
+
+
+def test_auto_packs_where_it_fits_and_compiles_where_it_does_not(tiny_checkpoint, monkeypatch):
+    from hotstart.engine import fastpath
+
+    core = _core(tiny_checkpoint("llama"))
+    fast = FastPath(core, "auto", (8,), lambda m: None)
+    assert fast.packing == "packing" and fast.compile.startswith("off: the packed weights")
+    monkeypatch.setattr(fastpath, "mem_available", lambda: 1000)  # the packed copy cannot fit
+    fast = FastPath(core, "auto", (8,), lambda m: None)
+    assert fast.packing.startswith("off: packed weights") and fast.compile in ("", "off: no C++ compiler (g++) found")
 
 
 def test_off_builds_nothing(tiny_checkpoint):
@@ -169,7 +179,7 @@ def test_bucket_swaps_in_under_load_then_the_cache_is_reused(served, tmp_path):
         reference = _wave(ref_server.url)
     finally:
         ref_server.stop()
-    s = _serve(served, tmp_path, "--compile", "auto")
+    s = _serve(served, tmp_path, "--compile", "graphs")
     try:
         waves = 0
         deadline = time.monotonic() + 300
@@ -192,7 +202,7 @@ def test_bucket_swaps_in_under_load_then_the_cache_is_reused(served, tmp_path):
     assert "Traceback" not in s.output
     # The next start finds the graph in the cache: in use long before a compile could finish.
     t = time.monotonic()
-    s = _serve(served, tmp_path, "--compile", "auto")
+    s = _serve(served, tmp_path, "--compile", "graphs")
     try:
         while time.monotonic() - t < 60:
             buckets = _fast_path(s.url).get("buckets", [])
@@ -208,7 +218,7 @@ def test_bucket_swaps_in_under_load_then_the_cache_is_reused(served, tmp_path):
 
 
 def test_a_failed_compile_keeps_serving_eagerly(served, tmp_path):
-    s = _serve(served, tmp_path, "--compile", "auto", env={"HOTSTART_TEST_COMPILE_FAIL": "/bin/false"})
+    s = _serve(served, tmp_path, "--compile", "graphs", env={"HOTSTART_TEST_COMPILE_FAIL": "/bin/false"})
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
@@ -232,11 +242,10 @@ def test_compile_cache_key_changes_with_what_the_graph_depends_on(tiny_checkpoin
     from hotstart.config import load_model_config
 
     cfg = load_model_config(tiny_checkpoint("qwen2"))
-    a = cache_folder(LayerSpec.of(cfg, packed=True), torch.float32)
-    assert a == cache_folder(LayerSpec.of(cfg, packed=True), torch.float32)
-    assert a != cache_folder(LayerSpec.of(cfg, packed=False), torch.float32)
-    assert a != cache_folder(LayerSpec.of(cfg, packed=True), torch.bfloat16)
+    a = cache_folder(LayerSpec.of(cfg), torch.float32)
+    assert a == cache_folder(LayerSpec.of(cfg), torch.float32)
+    assert a != cache_folder(LayerSpec.of(cfg), torch.bfloat16)
     assert a.parent == tmp_path / "compile"
-    assert json.dumps(LayerSpec.of(cfg, True).as_dict())  # plain data: it travels to the compile worker
+    assert json.dumps(LayerSpec.of(cfg).as_dict())  # plain data: it travels to the compile worker
     assert os.path.basename(a) != os.path.basename(cache_folder(LayerSpec.of(load_model_config(
-        tiny_checkpoint("qwen3")), True), torch.float32))
+        tiny_checkpoint("qwen3"))), torch.float32))

@@ -22,8 +22,8 @@ class CompiledForward:
         self.loaders: dict[int, object] = {}  # bucket (tokens) -> AOTIModelPackageLoader
         self.steps: dict[int, int] = {}  # bucket -> steps it ran
         layers = model.model.layers
-        post = [graphs.layer_inputs(layer, spec.post_names(), spec.packed) for layer in layers]
-        pre = [graphs.layer_inputs(layer, spec.pre_names(), spec.packed) for layer in layers]
+        post = [graphs.layer_inputs(layer, spec.post_names()) for layer in layers]
+        pre = [graphs.layer_inputs(layer, spec.pre_names()) for layer in layers]
         self.first_pre = pre[0]
         self.last_post = post[-1]
         self.mid_weights = [post[i] + pre[i + 1] for i in range(len(layers) - 1)]  # graph inputs after activations

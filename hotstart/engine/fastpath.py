@@ -2,10 +2,12 @@
 
 The engine answers at once on the plain eager path (zero-copy weights, F.linear). Then, a little at a
 time between steps (everything at once while idle), FastPath:
-  1. packs the linear weights for oneDNN (model/packed.py), layer by layer, where memory allows;
-  2. (--compile auto, a C++ compiler present, CPU) loads the compiled layer graphs of every token
-     bucket from the compile cache and starts the compile worker (engine/compiler.py, idle CPU
-     priority, another process) for the buckets it lacks; each graph is loaded as it is announced.
+  1. (--compile eager-only, auto) packs the linear weights for oneDNN (model/packed.py), layer by
+     layer, where the copies fit in memory;
+  2. (--compile graphs; auto where the weights were not packed; a C++ compiler present, CPU) loads
+     the compiled layer graphs of every token bucket from the compile cache and starts the compile
+     worker (engine/compiler.py, idle CPU priority, another process) for the buckets it lacks; each
+     graph is loaded as it is announced.
 The next step of a size a ready bucket covers runs compiled. A failure is logged in one line and the
 engine keeps what it has: never a crash, never a stall. Status goes to the API process as
 FastPathStatus messages, its phases as Spans (the startup timeline goes on past READY).
@@ -68,7 +70,7 @@ class FastPath:
         self.model = self.runner.model
         self.linears = [m for m in self.model.modules() if isinstance(m, Linear)]
         self._todo = list(range(len(self.model.model.layers))) if self._pack_plan() else []
-        self.compile = self._compile_plan()
+        self.compile = self._compile_plan(packing=bool(self._todo))
         self.buckets = {b: BucketState(b, "compiling") for b in sorted(set(buckets))} if not self.compile else {}
         self.proc: subprocess.Popen | None = None
         self._out = b""
@@ -80,8 +82,8 @@ class FastPath:
     # ---- plans -------------------------------------------------------------------------------
     def _pack_plan(self) -> bool:
         p = self.core.placement
-        if self.mode == "off":
-            self.packing = "off: --compile off"
+        if self.mode in ("off", "graphs"):
+            self.packing = f"off: --compile {self.mode}"
         elif self.model.fused:
             self.packing = "off: fused weights (GPU layout)"
         elif not packed.available(p.device, p.dtype):
@@ -98,11 +100,14 @@ class FastPath:
                 return True
         return False
 
-    def _compile_plan(self) -> str:
-        """'' if the compiled path will be built, else 'off: why'."""
+    def _compile_plan(self, packing: bool) -> str:
+        """'' if the compiled path will be built, else 'off: why'. auto compiles only where the weights
+        are not packed: over packed weights the graphs measured no faster (docs/serving.md)."""
         cxx = os.environ.get("CXX", "g++")
-        if self.mode != "auto":
+        if self.mode not in ("auto", "graphs"):
             return f"off: --compile {self.mode}"
+        if self.mode == "auto" and packing:
+            return "off: the packed weights serve faster (auto)"
         if self.runner.peers is not None:
             return "off: tensor parallel (the compiled layer graphs hold no collectives)"
         if self.core.placement.device.type != "cpu" or self.model.fused:
@@ -166,7 +171,7 @@ class FastPath:
     # ---- compiling ---------------------------------------------------------------------------
     def _start_compiling(self) -> None:
         p = self.core.placement
-        spec = LayerSpec.of(self.core.model_cfg, packed=self.model.lm_head_packed is not None)
+        spec = LayerSpec.of(self.core.model_cfg)
         self.folder = cache_folder(spec, p.dtype)
         self.folder.mkdir(parents=True, exist_ok=True)
         _remove_stale(self.folder)

@@ -45,16 +45,17 @@ class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype):
         cfg = model.cfg
         self.model, self.device, self.block_size = model, device, block_size
-        # [layers, 2 (k/v), slots, KVH, D]; each layer's attention gets views into it. Block 0 is the
+        # [layers, 2 (k/v), KVH, slots, D]: head-major, so one index_select over whole blocks gathers a
+        # step's keys already laid out for the batched matmuls (model/attention.py). Block 0 is the
         # null block: zeroed, never handed out, read by padded key positions (masked, but must not be NaN:
         # 0 x NaN is NaN). The rest is zeroed block by block before its first use (the unwritten tail of a
         # sequence's last block is read the same way), so allocation is instant and pages are touched only
         # as blocks get used.
         self.kv_cache = torch.empty(
-            cfg.num_hidden_layers, 2, (num_blocks + 1) * block_size, cfg.num_key_value_heads, cfg.head_dim,
+            cfg.num_hidden_layers, 2, cfg.num_key_value_heads, (num_blocks + 1) * block_size, cfg.head_dim,
             device=device, dtype=dtype,
         )
-        self.kv_cache[:, :, :block_size].zero_()
+        self.kv_cache[:, :, :, :block_size].zero_()
         self._zeroed = 1  # blocks below this are zeroed (or hold K/V written since)
         self.compiled = None  # engine/compiled.py CompiledForward, installed between steps by the fast path
         self.eager_steps = 0
@@ -167,7 +168,7 @@ class ModelRunner:
         offsets = torch.arange(bs)
         src = (torch.tensor([s for s, _ in pairs])[:, None] * bs + offsets).flatten().to(self.device)
         dst = (torch.tensor([d for _, d in pairs])[:, None] * bs + offsets).flatten().to(self.device)
-        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]  # kv_cache: [layers, 2, slots, KVH, D]
+        self.kv_cache[:, :, :, dst] = self.kv_cache[:, :, :, src]  # kv_cache: [layers, 2, KVH, slots, D]
 
 
     def _zero_up_to(self, block: int) -> None:
@@ -175,7 +176,7 @@ class ModelRunner:
         the block manager hands never-used blocks out in increasing order)."""
         if block >= self._zeroed:
             bs = self.block_size
-            self.kv_cache[:, :, self._zeroed * bs:(block + 1) * bs].zero_()
+            self.kv_cache[:, :, :, self._zeroed * bs:(block + 1) * bs].zero_()
             self._zeroed = block + 1
 
 

@@ -2,8 +2,10 @@
 
 The tokens of all sequences in a step are flattened into one dimension T. A sequence with one new
 token (a decode, or a one-token prompt) takes the decode path: its keys are gathered block by block
-and attended with two small batched matmuls (measured here at B=16, context 128, one thread: 0.43 ms
-per layer against 1.6 ms for SDPA's flash kernel with a mask plus a per-slot gather). Sequences with
+from the head-major cache ([KVH, slots, D]: one index_select gives [KVH, B, L, D], the layout the
+batched matmuls want, with no further copy) and attended with two batched matmuls. Measured at B=16,
+one thread, per layer: context 192, 0.18 ms against 0.68 ms with a slot-major cache; context 512,
+0.39 ms against 2.1 ms; SDPA's CPU flash kernel with a mask took 1.3 ms at context 128 before gathers. Sequences with
 several new tokens (prefill chunks) take SDPA with a causal mask over their padded queries.
 Metadata is built once per step (engine/model_runner.py) and shared by every layer.
 """
@@ -49,30 +51,32 @@ class AttnMetadata:
 
 
 def _gather(cache: torch.Tensor, tables: torch.Tensor, block_size: int) -> torch.Tensor:
-    # cache: [slots, KVH, D] -> the blocks of each sequence, [B, nb * bs, KVH, D]
+    # cache: [KVH, slots, D] -> the blocks of each sequence, head-major: [KVH, B, nb * bs, D]
+    kvh, _, d = cache.shape
     b, nb = tables.shape
-    blocks = cache.view(-1, block_size, *cache.shape[1:])[tables]  # [B, nb, bs, KVH, D]
-    return blocks.view(b, nb * block_size, *cache.shape[1:])
+    blocks = cache.view(kvh, -1, block_size, d).index_select(1, tables.flatten())  # [KVH, B * nb, bs, D]
+    return blocks.view(kvh, b, nb * block_size, d)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup,
                      block_size: int, scale: float) -> torch.Tensor:
     # q: [Bd, H, D] -> [Bd, H, D]; grouped-query: H = KVH * G, query heads of one KV head adjacent
     bd, h, d = q.shape
-    kvh = k_cache.shape[1]
-    k = _gather(k_cache, g.block_tables, block_size)  # [Bd, L, KVH, D]
+    kvh = k_cache.shape[0]
+    k = _gather(k_cache, g.block_tables, block_size)  # [KVH, Bd, L, D]
     v = _gather(v_cache, g.block_tables, block_size)
-    scores = torch.einsum("bkgd,blkd->bkgl", q.view(bd, kvh, h // kvh, d), k).float() * scale + g.bias
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)  # [Bd, KVH, G, L]
-    return torch.einsum("bkgl,blkd->bkgd", probs, v).reshape(bd, h, d)
+    qg = q.view(bd, kvh, h // kvh, d).transpose(0, 1)  # [KVH, Bd, G, D]
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale + g.bias.view(1, bd, 1, -1)
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)  # [KVH, Bd, G, L]
+    return torch.matmul(probs, v).transpose(0, 1).reshape(bd, h, d)
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: PrefillGroup,
                       block_size: int, scale: float) -> torch.Tensor:
     # q: [Tp, H, D] -> [Tp, H, D]
     qp = q[g.q_index].transpose(1, 2)  # [Bp, H, Qmax, D]
-    kp = _gather(k_cache, g.block_tables, block_size).transpose(1, 2)  # [Bp, KVH, L, D]
-    vp = _gather(v_cache, g.block_tables, block_size).transpose(1, 2)
+    kp = _gather(k_cache, g.block_tables, block_size).transpose(0, 1)  # [Bp, KVH, L, D]
+    vp = _gather(v_cache, g.block_tables, block_size).transpose(0, 1)
     out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=g.mask, scale=scale, enable_gqa=True)
     return out.transpose(1, 2)[g.q_valid]  # [Tp, H, D], tokens back in the group's order
 

@@ -4,6 +4,9 @@ The compiled unit is `mid`: layer i after its attention (o_proj, residual, MLP) 
 up to its attention (norm, q/k/v, q/k norm, RoPE). Attention itself stays eager (paged, variable
 context), so one graph per token-count bucket serves every layer and every context length; weights
 are graph inputs, so a compiled graph fits any checkpoint of the same shapes and holds no weights.
+Linear layers are F.linear on the plain [out, in] weights: the compiled path is what `--compile auto`
+builds where the oneDNN-packed weights (model/packed.py) do not fit in memory (docs/serving.md has the
+measurements: with packed weights, compiled graphs gained nothing here).
 The math is that of hotstart/model/layers.py, op for op (tests check compiled == eager).
 """
 
@@ -16,7 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from hotstart.config import ModelConfig
-from hotstart.model import packed as packed_ops  # registers torch.ops.hotstart.packed_linear
 
 
 @dataclass(frozen=True)
@@ -33,13 +35,12 @@ class LayerSpec:
     o_bias: bool
     mlp_bias: bool
     qk_norm: bool
-    packed: bool  # linear weights in oneDNN layout (model/packed.py) or plain [out, in]
 
     @classmethod
-    def of(cls, cfg: ModelConfig, packed: bool) -> LayerSpec:
+    def of(cls, cfg: ModelConfig) -> LayerSpec:
         return cls(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                    cfg.intermediate_size, cfg.rms_norm_eps, cfg.attention_bias,
-                   cfg.attention_bias and cfg.family != "qwen2", cfg.mlp_bias, cfg.qk_norm, packed)
+                   cfg.attention_bias and cfg.family != "qwen2", cfg.mlp_bias, cfg.qk_norm)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -63,16 +64,12 @@ class LayerSpec:
         return [f"{prefix}.weight"] + ([f"{prefix}.bias"] if bias else [])
 
 
-def layer_inputs(layer: nn.Module, names: list[str], packed: bool) -> list[torch.Tensor]:
-    """The tensors named NAMES of one decoder layer; linear weights as packed ones if PACKED."""
+def layer_inputs(layer: nn.Module, names: list[str]) -> list[torch.Tensor]:
+    """The tensors named NAMES of one decoder layer."""
     out = []
     for name in names:
         module_name, _, leaf = name.rpartition(".")
-        module = layer.get_submodule(module_name)
-        if packed and leaf == "weight" and getattr(module, "packed", None) is not None:
-            out.append(module.packed)
-        else:
-            out.append(getattr(module, leaf))
+        out.append(getattr(layer.get_submodule(module_name), leaf))
     return out
 
 
@@ -81,7 +78,7 @@ def _take(ws: list[torch.Tensor], i: int, bias: bool) -> tuple[torch.Tensor, tor
 
 
 def _lin(spec: LayerSpec, x, w, b):
-    return torch.ops.hotstart.packed_linear(x, w, b) if spec.packed else F.linear(x, w, b)
+    return F.linear(x, w, b)
 
 
 def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -134,7 +131,7 @@ class MidGraph(nn.Module):
 
 
 def example_inputs(spec: LayerSpec, tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """Inputs of MidGraph for TOKENS tokens, random (weights packed when spec.packed)."""
+    """Inputs of MidGraph for TOKENS tokens, random."""
     g = torch.Generator().manual_seed(0)
     shapes = {"o_proj": (spec.hidden, spec.heads * spec.head_dim),
               "gate_proj": (spec.intermediate, spec.hidden), "up_proj": (spec.intermediate, spec.hidden),
@@ -148,10 +145,7 @@ def example_inputs(spec: LayerSpec, tokens: int, dtype: torch.dtype) -> tuple[to
             shape = shapes[module] if leaf == "weight" else shapes[module][:1]
         else:  # a norm
             shape = (spec.head_dim,) if module in ("q_norm", "k_norm") else (spec.hidden,)
-        w = torch.randn(*shape, generator=g).to(dtype) * 0.02
-        if spec.packed and leaf == "weight" and module in shapes:
-            w = packed_ops.pack(w)
-        ws.append(w)
+        ws.append(torch.randn(*shape, generator=g).to(dtype) * 0.02)
     d = spec.head_dim
     act = (torch.randn(tokens, spec.heads * d, generator=g).to(dtype), torch.randn(tokens, spec.hidden, generator=g).to(dtype),
            torch.randn(tokens, 1, d, generator=g).to(dtype), torch.randn(tokens, 1, d, generator=g).to(dtype))

@@ -148,7 +148,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.head_dim**-0.5
-        # Set by the engine: [num_slots, KVH, D] each (paged: slot = block * block_size + offset).
+        # Set by the engine: [KVH, num_slots, D] each (paged: slot = block * block_size + offset).
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
@@ -168,8 +168,8 @@ class Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         """Write this step's K/V into the paged cache and attend. q: [T, H, D], k, v: [T, KVH, D] -> [T, H, D]."""
-        self.k_cache[meta.slot_mapping] = k
-        self.v_cache[meta.slot_mapping] = v
+        self.k_cache[:, meta.slot_mapping] = k.transpose(0, 1)  # cache: [KVH, slots, D]
+        self.v_cache[:, meta.slot_mapping] = v.transpose(0, 1)
         return paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
 
 

@@ -5,9 +5,6 @@
 faster than F.linear at 16 rows and 1.8x at one row in bf16, bit-identical results in bf16 (float32:
 differences of ~1e-6). A packed weight is a copy (anonymous memory the size of the weight), so the
 engine packs only where memory allows, after READY (engine/fastpath.py).
-
-The custom op `hotstart::packed_linear` lets compiled graphs (AOTInductor, engine/compiler.py) call a
-packed linear whose weight is a graph input: inductor's own mkldnn lowering insists on constants.
 """
 
 from __future__ import annotations
@@ -29,13 +26,3 @@ def pack(weight: torch.Tensor, rows_hint: int = 16) -> torch.Tensor:
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     # x: [T, in] -> [T, out]
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-@torch.library.custom_op("hotstart::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return linear(x, packed, bias)
-
-
-@packed_linear.register_fake
-def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty(x.shape[0], packed.shape[0])
