@@ -211,9 +211,15 @@ def _forkserver(s: Server) -> psutil.Process:
 
 def test_a_killed_rank_fails_the_stream_and_the_group_is_forked_again(tiny_checkpoint, default_model_dir):
     model = _servable(tiny_checkpoint, default_model_dir, "qwen2-tp")
-    s = Server(str(model), "-tp", "2", *SERVE)
+    s = Server(str(model), "-tp", "2", *SERVE, "--compile", "eager-only")  # each rank packs its own shards
     ask = {"model": model.name, "prompt": _prompt(512, 8), "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     try:
+        deadline = time.monotonic() + 30
+        while not httpx.get(s.url + "/startup").json()["fast_path"]["packing"].startswith("packed"):
+            assert time.monotonic() < deadline, httpx.get(s.url + "/startup").json()["fast_path"]
+            time.sleep(0.05)
+        fast = httpx.get(s.url + "/startup").json()["fast_path"]
+        assert fast["compile"].startswith("off:"), fast
         before = httpx.post(s.url + "/v1/completions", json=ask, timeout=60).json()["choices"][0]["text"]
         pids = _rank_pids(s)
         assert sorted(pids) == [0, 1] and sorted(p.pid for p in _forkserver(s).children()) == sorted(pids.values())
