@@ -10,6 +10,7 @@ parameter.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from hotstart.model import parallel
 from hotstart.model.decoder import CausalLM
 from hotstart.model.layers import PackedLinear
 from hotstart.model.safetensors_io import PageToucher, SafetensorsFile
+from hotstart.model.upload import StagedCopier
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 FLOAT_DTYPES = {"F32", "F16", "BF16"}
@@ -72,6 +74,8 @@ def load_model(
     packed_buffers: dict[str, torch.Tensor] = {}
     base = 0
     toucher = PageToucher()  # first CPU touch of each populated page, overlapped with the reads after it
+    # to a GPU: through pinned staging buffers, copies overlapped with the reads (model/upload.py)
+    staged = StagedCopier(device) if device.type == "cuda" or os.environ.get("HOTSTART_STAGED_LOAD") else None
     if not files:
         raise WeightsError(f"{cfg.path}: no safetensors weight files found")
     for path in files:
@@ -98,7 +102,20 @@ def load_model(
                 if info.shape != want:
                     raise WeightsError(f"{path}: tensor '{name}' has shape {list(info.shape)}, expected {list(want)}")
                 src = st.get(info) if split is None else parallel.rank_part(st, info, split)
-                if proj is None:
+                if staged is not None:
+                    if split is None:
+                        st.populate(info)  # one syscall brings the pages in; the copy below reads them
+                    if proj is None:
+                        param = torch.empty(src.shape, device=device, dtype=dtype)
+                        _set_param(model, target, param)
+                    else:
+                        param = packed_buffers.get(target)
+                        if param is None:
+                            param = packed_buffers[target] = torch.empty(meta.shape, device=device, dtype=dtype)
+                            _set_param(model, target, param)
+                        param = param[start:start + size]
+                    staged.copy(param, src)
+                elif proj is None:
                     param = src.to(device=device, dtype=dtype).contiguous()  # a column range is copied
                     if split is None and param.data_ptr() == src.data_ptr():
                         st.populate(info)  # zero-copy: read the bytes now, not in the first forward
@@ -117,6 +134,8 @@ def load_model(
             st.close()
         base += st.size
     toucher.close()
+    if staged is not None:
+        staged.finish()
     missing = [ckpt for ckpt, (param, shard) in names.items() if shard not in filled.get(param, ())]
     if missing:
         shown = ", ".join(f"'{n}'" for n in missing[:3])
