@@ -23,6 +23,9 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from hotstart.bench.procgroup import alive as _alive
+from hotstart.bench.procgroup import group_members as _group_members
+from hotstart.bench.procgroup import kill as _kill
 from hotstart.procs import die_with_parent, terminate_then_kill
 
 POLL_S = 0.02  # /health poll period: the resolution of t_health, cheap on loopback
@@ -43,54 +46,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def _group_members(pgid: int, root_pid: int) -> set[int]:
-    """Live pids in process group `pgid` plus the descendants of `root_pid` (which may have left the group)."""
-    try:
-        import psutil  # noqa: PLC0415 - imported before any eviction by the harness (see startup.py)
-    except ImportError:
-        return set()
-    found: set[int] = set()
-    for p in psutil.process_iter(["status"]):
-        try:
-            if p.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(p.pid) == pgid:
-                found.add(p.pid)
-        except (OSError, psutil.Error):
-            continue
-    try:
-        found.update(c.pid for c in psutil.Process(root_pid).children(recursive=True)
-                     if c.status() != psutil.STATUS_ZOMBIE)
-    except psutil.Error:
-        pass
-    return found
-
-
-def _alive(pids: set[int]) -> set[int]:
-    try:
-        import psutil  # noqa: PLC0415
-    except ImportError:
-        return set()
-    out = set()
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:  # a zombie is dead, only unreaped
-                out.add(pid)
-        except psutil.Error:
-            continue
-    return out
-
-
-def _kill(pids: set[int], pgid: int) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 class Server:
