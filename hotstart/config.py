@@ -287,6 +287,13 @@ class ServeConfig:
                                             "(temperature, top_p, top_k, min_p, repetition_penalty) are the "
                                             "defaults requests override; none: ignore them",
                                     choices=["auto", "none"])
+    tool_call_parser: str = option("auto", "how tool calls are read from (and, for tool_choice required / a "
+                                           "named function, forced into) the model's text: hermes (Qwen2.5, "
+                                           "Qwen3: <tool_call>{...}</tool_call>), llama3_json (Llama 3.x); "
+                                           "auto: chosen from the chat template's text",
+                                   choices=["auto", "hermes", "llama3_json"])
+    enable_auto_tool_choice: bool = option(True, "parse tool calls out of answers to tool_choice auto (off: "
+                                                 "they stay text)", action="boolean")
 
     @classmethod
     def from_args(cls, args) -> ServeConfig:

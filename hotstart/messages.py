@@ -51,13 +51,16 @@ class SamplingParams(msgspec.Struct, frozen=True):
     min_tokens: int = 0  # eos and stop_token_ids are masked until this many tokens are generated
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's raw logprob and the top k
     prompt_logprobs: int | None = None  # the same for every prompt token but the first (echo)
+    # an llguidance grammar (the JSON text LLMatcher.grammar_from_* returns): the tokens are constrained
+    # to it, eos allowed only where it accepts (engine/grammar.py); built and validated by the API process
+    grammar: str | None = None
 
     @property
     def needs_sampler_state(self) -> bool:
         """True unless the request takes only the plain path (temperature / top-p / top-k)."""
         return (self.min_p > 0 or self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1 or bool(self.logit_bias) or self.min_tokens > 0
-                or self.logprobs is not None or self.prompt_logprobs is not None)
+                or self.logprobs is not None or self.prompt_logprobs is not None or self.grammar is not None)
 
 
 class EngineRequest(msgspec.Struct, tag="req"):

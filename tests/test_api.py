@@ -302,7 +302,7 @@ ERROR_CASES = [
     ("chat", {"min_p": 1.5}, 400, "min_p", "invalid_value"),
     ("chat", {"min_tokens": -1}, 400, "min_tokens", "invalid_value"),
     ("chat", {"min_tokens": 11, "max_tokens": 10}, 400, "min_tokens", "invalid_value"),
-    ("chat", {"response_format": {"type": "json_object"}}, 400, "response_format", None),
+    ("chat", {"response_format": {"type": "structural_tag"}}, 400, "response_format.type", "unsupported_parameter"),
     ("chat", {"stream_options": {"include_usage": True}}, 400, "stream_options", None),
     ("chat", {"seed": 2**70}, 400, "seed", None),
     ("chat", {"stop_token_ids": [10**9]}, 400, "stop_token_ids", None),

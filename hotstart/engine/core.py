@@ -14,6 +14,7 @@ import torch
 
 from hotstart.config import EngineConfig, ModelConfig, load_model_config
 from hotstart.engine.block_manager import BlockManager, blocks_for
+from hotstart.engine.grammar import WAIT_S, Grammars, grammar_finish
 from hotstart.engine.model_runner import ModelRunner, kv_bytes_per_token
 from hotstart.engine.sampler import Sampler, prompt_logprobs
 from hotstart.engine.scheduler import Scheduler
@@ -155,6 +156,7 @@ class EngineCore:
         self.default_generator = torch.Generator().manual_seed(cfg.seed)
         self.prompt_tokens_computed = 0
         self._num_prompt_logprobs = 0  # live sequences still collecting prompt logprobs
+        self.grammars: Grammars | None = None  # built by the first constrained request (engine/grammar.py)
 
     @classmethod
     def build(cls, cfg: EngineConfig, on_span: SpanHook | None = None,
@@ -234,7 +236,14 @@ class EngineCore:
             self._num_prompt_logprobs += 1
         self.sampler.register(seq)
         self.requests[req.request_id] = [seq]
-        self.scheduler.add(seq)
+        if req.params.grammar is None:
+            self.scheduler.add(seq)
+        else:  # scheduled once its matcher is compiled (off this loop); other streams step meanwhile
+            if self.grammars is None:
+                self.grammars = Grammars(self.sampler, self.cfg.model_path, self.model_cfg.vocab_size,
+                                         self.model_cfg.eos_token_ids, self.placement.device)
+                self.sampler.transforms.insert(0, self.grammars.mask)
+            self.grammars.submit(seq)
         return None
 
     def _generator(self, p: SamplingParams, index: int) -> torch.Generator | None:
@@ -257,6 +266,8 @@ class EngineCore:
         return children
 
     def _drop(self, seq: Sequence) -> None:
+        if self.grammars is not None:
+            self.grammars.cancel(seq)
         self.scheduler.remove(seq)
         self.sampler.release(seq)
         if seq.prompt_logprobs is not None:
@@ -283,7 +294,18 @@ class EngineCore:
         return out
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or (self.grammars is not None and self.grammars.pending)
+
+    def _admit_compiled(self, wait: float) -> list[TokenOutput]:
+        """Schedule the sequences whose grammar is compiled; error outputs for those that failed."""
+        errors = []
+        for seq, error in self.grammars.ready(wait):
+            if error is None:
+                self.scheduler.add(seq)
+            else:
+                self._drop(seq)
+                errors.append(TokenOutput(seq.request_id, [], "error", error, index=seq.index))
+        return errors
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -301,6 +323,8 @@ class EngineCore:
             return "stop"
         if token in p.stop_token_ids:
             return "stop"
+        if (grammar := grammar_finish(seq)) is not None:
+            return grammar
         if seq.num_generated >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
@@ -316,9 +340,12 @@ class EngineCore:
 
     @torch.inference_mode()
     def step(self) -> list[TokenOutput]:
+        errors = []
+        if self.grammars is not None and self.grammars.pending:
+            errors = self._admit_compiled(0.0 if self.scheduler.has_work() else WAIT_S)
         batch = self.scheduler.schedule()
         if not batch:
-            return []
+            return errors
         copies = self.blocks.take_copies()
         if copies:
             self.runner.copy_blocks(copies)
@@ -337,7 +364,7 @@ class EngineCore:
             self.blocks.cache_full_blocks(seq)
         sampled = [seq for (seq, _), s in zip(batch, sampling) if s]
         if not sampled:
-            return []
+            return errors
         logits = logits[:len(sampled)]
         if any(seq.forks_pending for seq in sampled):
             rows, expanded = [], []
@@ -348,7 +375,9 @@ class EngineCore:
             logits = logits[torch.tensor(rows, device=logits.device)]
             sampled = expanded
         tokens, logprobs = self.sampler.sample(logits, sampled)
-        outputs = []
+        if self.sampler.num_constrained:
+            self.grammars.consume(sampled, tokens)
+        outputs = errors
         for i, (seq, token) in enumerate(zip(sampled, tokens)):
             seq.token_ids.append(token)
             seq.finish_reason = self._finish_reason(seq, token)

@@ -3,8 +3,8 @@
 A transform is a callable (logits [B, V] float32, seqs) -> logits (it may work in place), run in order
 by the Sampler after the raw logprobs are taken and before the greedy / random choice. What a
 transform needs of a sequence is built once, when the request arrives (SeqSampling, seq.sampling);
-per step only index tensors of the rows concerned are built. Another kind (a grammar's token mask) is
-one more callable in Sampler.transforms.
+per step only index tensors of the rows concerned are built. A grammar's token mask (engine/grammar.py)
+is one more callable, put first in Sampler.transforms by the first constrained request.
 
 Definitions (the references the tests compare with):
   min_tokens      vLLM: eos (unless ignore_eos) and stop_token_ids are -inf until min_tokens are generated
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -34,6 +35,7 @@ class SeqSampling:
     bias_ids: list[int] = field(default_factory=list)
     bias_values: list[float] = field(default_factory=list)
     count_row: int = -1  # its row in TokenCounts (presence / frequency / repetition penalties), or -1
+    matcher: Any = None  # its grammar's llguidance LLMatcher (engine/grammar.py), once compiled
 
 
 def penalized(seq: Sequence) -> bool:

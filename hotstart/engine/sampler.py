@@ -79,6 +79,7 @@ class Sampler:
         # [B, V] -> [B, V], in order; each touches only the rows that need it
         self.transforms = [mask_stop_tokens, add_logit_bias, Penalties(self.counts), min_p_filter]
         self.num_active = 0  # live sequences with seq.sampling set: 0 means every step takes the plain path
+        self.num_constrained = 0  # live sequences with a grammar matcher attached
 
     def register(self, seq: Sequence, like: Sequence | None = None) -> None:
         """Build SEQ's state if its params need more than the plain path (LIKE: the choice it forks from)."""
@@ -89,6 +90,8 @@ class Sampler:
             st = like.sampling
             row = self.counts.acquire(like=st.count_row) if st.count_row >= 0 else -1
             seq.sampling = SeqSampling(st.stop_ids, st.bias_ids, st.bias_values, row)
+            if st.matcher is not None:
+                self.attach_matcher(seq, st.matcher.deep_copy())
         else:
             stops = [] if p.min_tokens == 0 else list(dict.fromkeys(
                 [*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)]))
@@ -98,11 +101,18 @@ class Sampler:
             seq.sampling = SeqSampling(stops, list(p.logit_bias), list(p.logit_bias.values()), row)
         self.num_active += 1
 
+    def attach_matcher(self, seq: Sequence, matcher) -> None:
+        """SEQ's grammar is compiled (engine/grammar.py): its rows are masked from now on."""
+        seq.sampling.matcher = matcher
+        self.num_constrained += 1
+
     def release(self, seq: Sequence) -> None:
         if seq.sampling is None:
             return
         if seq.sampling.count_row >= 0:
             self.counts.release(seq.sampling.count_row)
+        if seq.sampling.matcher is not None:
+            self.num_constrained -= 1
         seq.sampling = None
         self.num_active -= 1
 

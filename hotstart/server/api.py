@@ -24,17 +24,13 @@ from starlette.responses import Response
 from hotstart.server.engine_client import EngineDeadError
 from hotstart.server.errors import ApiError, bad_param, describe
 from hotstart.server.gate import Gate, error_response, json_response
-from hotstart.server.generation import (
-    Generation,
-    GenerationError,
-    SSEResponse,
-    close_shielded,
-    sse_events,
-    unless_disconnected,
-)
+from hotstart.server.generation import Generation, GenerationError, close_shielded, unless_disconnected
 from hotstart.server.logprobs import LogprobsFormat
 from hotstart.server.metrics import CONTENT_TYPE, Metrics
 from hotstart.server.schemas import ChatCompletionRequest, CompletionRequest, decode_request, read_body
+from hotstart.server.sse import SSEResponse, sse_events
+from hotstart.server.structured import request_grammar
+from hotstart.server.tools import chat_grammar, chat_message, detect_parser, template_messages
 from hotstart.server.validation import (
     MAX_N,
     chat_messages,
@@ -75,6 +71,10 @@ class ApiSettings:
     (validation.sampling_defaults: generation_config.json's, with --generation-config auto)."""
     vocab_size: int | None = None
     """Token ids in prompts and stop_token_ids must be below it (default: the tokenizer's)."""
+    tool_call_parser: str | None = None
+    """hermes | llama3_json (hotstart/server/tools.py); None: chosen from the chat template's text."""
+    auto_tool_choice: bool = True
+    """Parse tool calls out of answers to tool_choice auto (else they stay text)."""
 
 
 class OpenAIServing:
@@ -93,6 +93,8 @@ class OpenAIServing:
         self.names = list(settings.served_model_names)
         self.created = int(time.time())
         self.vocab_size = settings.vocab_size or getattr(tokenizer, "vocab_size", None)
+        template = getattr(tokenizer, "chat_template_source", lambda tools: None)(True)
+        self.tool_parser = settings.tool_call_parser or detect_parser(template)
         self._served_once = False
 
     # --- checks and helpers --------------------------------------------------------------------
@@ -147,8 +149,9 @@ class OpenAIServing:
         """(model, prompt ids, sampling params) of a chat request, or ApiError."""
         model = self.check_model(req.model)
         check_chat(req, self.max_n)
-        messages = chat_messages(req)
+        messages = template_messages(chat_messages(req))
         kwargs = template_kwargs(req)
+        grammar = chat_grammar(req, self.tool_parser)
         self.require_ready()
         tools = req.tools if req.tool_choice != "none" else None
         try:
@@ -159,13 +162,14 @@ class OpenAIServing:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling(req, req.max_completion_tokens or req.max_tokens, max_param, len(ids), "messages",
                                logprobs)
-        return model, ids, params
+        return model, ids, msgspec.structs.replace(params, grammar=grammar) if grammar else params
 
     def prepare_completion(self, req: CompletionRequest) -> tuple[str, list[int], SamplingParams, str]:
         """(model, prompt ids, sampling params, echoed prompt text) of a completion request, or ApiError."""
         model = self.check_model(req.model)
         check_completion(req, self.max_n)
         prompt = completion_prompt(req.prompt)
+        grammar = request_grammar(req)
         self.require_ready()
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
@@ -177,7 +181,7 @@ class OpenAIServing:
         prompt_logprobs = req.logprobs if req.echo else None
         params = self.sampling(req, req.max_tokens, "max_tokens", len(ids), "prompt", req.logprobs, prompt_logprobs)
         echo = "" if not req.echo else prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
-        return model, ids, params, echo
+        return model, ids, msgspec.structs.replace(params, grammar=grammar) if grammar else params, echo
 
     async def run(self, request: Request, req: Any, model: str, ids: list[int], params: SamplingParams,
                   t0: float, chat: bool, echo: str = "") -> Response:
@@ -191,10 +195,14 @@ class OpenAIServing:
         if chat:
             head["system_fingerprint"] = None
         fmt = LogprobsFormat(self.tokenizer, params.n) if params.logprobs is not None else None
+        forced = chat and req.tool_choice not in (None, "auto", "none")
+        parse = chat and req.tools and (forced or (req.tool_choice != "none" and self.settings.auto_tool_choice))
+        parser = self.tool_parser if parse else None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return SSEResponse(sse_events(gen, head, chat, include_usage, prefix=echo,
-                                          on_error=lambda e: self.engine_error(e).body(), logprobs=fmt))
+                                          on_error=lambda e: self.engine_error(e).body(), logprobs=fmt,
+                                          tool_parser=parser))
         try:
             finished, _ = await unless_disconnected(request.receive, lambda: self.collect(gen))
         except (EngineDeadError, GenerationError) as e:
@@ -205,8 +213,8 @@ class OpenAIServing:
         for c in gen.choices:
             if chat:
                 lps = fmt.chat(c.logprobs) if fmt is not None else None
-                choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                                "logprobs": lps, "finish_reason": c.finish_reason})
+                message, reason = chat_message(parser, c.text, c.finish_reason)
+                choices.append({"index": c.index, "message": message, "logprobs": lps, "finish_reason": reason})
             else:
                 prompt = (ids, gen.prompt_logprobs or []) if params.prompt_logprobs is not None else None
                 lps = fmt.completion(c.index, c.logprobs, prompt) if fmt is not None else None

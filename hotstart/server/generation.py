@@ -1,4 +1,5 @@
-"""One request's generation as text: engine ids -> detokenized deltas -> stop strings -> SSE (torch-free).
+"""One request's generation as text: engine ids -> detokenized deltas -> stop strings (torch-free; the
+SSE framing is hotstart/server/sse.py).
 
 The engine knows token ids only; stop strings are applied here, on the text. A stop string ends the
 request (its text and everything after it are dropped, finish_reason "stop") and closes the engine's
@@ -13,20 +14,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
-import msgspec
-from starlette.responses import StreamingResponse
 
 from hotstart.messages import TokenOutput
-from hotstart.server.errors import error_body
-from hotstart.server.logprobs import LogprobsFormat
 from hotstart.text.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
     from hotstart.messages import SamplingParams, TokenLogprobs
     from hotstart.server.metrics import Metrics
 
-_json = msgspec.json.Encoder()
-DONE = b"data: [DONE]\n\n"
 
 
 class GenerationError(Exception):
@@ -246,91 +241,3 @@ async def unless_disconnected(receive: Callable[[], Any], run: Callable[[], Any]
     if "error" in outcome:
         raise outcome["error"]
     return "value" in outcome, outcome.get("value")
-
-
-def sse(obj: Any) -> bytes:
-    return b"data: " + _json.encode(obj) + b"\n\n"
-
-
-async def sse_events(gen: Generation, head: dict[str, Any], chat: bool, include_usage: bool,
-                     prefix: str = "", on_error: Callable[[Exception], dict] | None = None,
-                     logprobs: LogprobsFormat | None = None) -> AsyncIterator[bytes]:
-    """OpenAI stream chunks for GEN, each naming its choice's index: (chat: a role chunk per choice
-    first) content deltas, a finish chunk per choice as it ends, an optional usage chunk with empty
-    choices, then [DONE]. A failure becomes an error event + [DONE]. PREFIX is sent first for every choice
-    (completions' echo; with prompt logprobs, once the engine has sent them). LOGPROBS (set when the
-    request asked for logprobs) formats the logprobs each content chunk carries."""
-    extra = {"usage": None} if include_usage else {}
-    n = len(gen.choices)
-
-    def chunk(index: int, text: str | None, finish: str | None = None, role: bool = False,
-              lps: Any = None) -> bytes:
-        if chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else (
-                {"content": text} if text is not None else {})
-            choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish}
-        else:
-            choice = {"index": index, "text": text or "", "logprobs": lps, "finish_reason": finish}
-        return sse({**head, "choices": [choice], **extra})
-
-    def formatted(index: int, items: Any) -> Any:
-        if logprobs is None or items is None:
-            return None
-        return logprobs.chat(items) if chat else logprobs.completion(index, items)
-
-    echo_logprobs = logprobs is not None and gen.params.prompt_logprobs is not None  # set only with echo
-
-    def echo() -> list[bytes]:
-        if not echo_logprobs:
-            return [chunk(i, prefix) for i in range(n)]
-        prompt = (gen.prompt_ids, gen.prompt_logprobs or [])
-        return [chunk(i, prefix, lps=logprobs.completion(i, [], prompt)) for i in range(n)]
-
-    if chat:
-        for i in range(n):
-            yield chunk(i, None, role=True)
-    pending_echo = bool(prefix) or echo_logprobs
-    if pending_echo and not echo_logprobs:
-        for c in echo():
-            yield c
-        pending_echo = False
-    stream = gen.deltas()
-    try:
-        async for d in stream:
-            if pending_echo:
-                for c in echo():
-                    yield c
-                pending_echo = False
-            if d.text or d.logprobs:
-                yield chunk(d.index, d.text, lps=formatted(d.index, d.logprobs))
-            if d.finish_reason is not None:
-                yield chunk(d.index, None, d.finish_reason)
-    except Exception as e:  # engine died / request failed: the status line is already sent
-        body = on_error(e) if on_error is not None else error_body(str(e), "server_error")
-        yield sse(body)
-        yield DONE
-        return
-    finally:
-        await close_shielded(stream)
-    if include_usage:
-        yield sse({**head, "choices": [], "usage": gen.usage()})
-    yield DONE
-
-
-class SSEResponse(StreamingResponse):
-    """text/event-stream that always closes its iterator, so a gone client aborts the engine request.
-
-    Starlette cancels the stream when the client disconnects, but an iterator suspended at a yield
-    would only be closed by the garbage collector; closing it here runs Generation's finally now.
-    """
-
-    media_type = "text/event-stream"
-
-    def __init__(self, content: AsyncIterator[bytes]) -> None:
-        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await close_shielded(self.body_iterator)

@@ -111,7 +111,9 @@ def run_serve(args: argparse.Namespace, cfg: ServeConfig, t0: float, launcher: E
         names = list(cfg.served_model_name or [model.name])
         settings = ApiSettings(served_model_names=names, api_key=cfg.api_key,
                                max_request_bytes=cfg.max_request_bytes,
-                               sampling_defaults=sampling_defaults(model.path, cfg.generation_config))
+                               sampling_defaults=sampling_defaults(model.path, cfg.generation_config),
+                               tool_call_parser=None if cfg.tool_call_parser == "auto" else cfg.tool_call_parser,
+                               auto_tool_choice=cfg.enable_auto_tool_choice)
         app = build_app(client, tokenizer, settings)
         if prefetcher is not None:
             app.state.prefetch_stats = prefetcher.stats

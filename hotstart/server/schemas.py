@@ -58,6 +58,13 @@ class _Common(msgspec.Struct, kw_only=True):
     logit_bias: dict[str, float] | None = None
     min_tokens: int | None = None
     user: str | None = None
+    # structured outputs (hotstart.server.structured): OpenAI's, and vLLM's extras
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatCompletionRequest(_Common, kw_only=True):
@@ -65,9 +72,9 @@ class ChatCompletionRequest(_Common, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 

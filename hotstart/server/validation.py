@@ -83,6 +83,8 @@ def check_common(req: _Common, max_n: int = MAX_N) -> None:
             raise bad_param(f"stop[{i}]", "stop strings must not be empty")
     if len(stop_strings(req)) > MAX_STOP_STRINGS:
         raise bad_param("stop", f"at most {MAX_STOP_STRINGS} stop strings are supported")
+    for name in ("response_format", "structured_outputs", "guided_json"):
+        check_depth(getattr(req, name), name)
 
 
 def check_chat(req: ChatCompletionRequest, max_n: int = MAX_N) -> None:
@@ -95,12 +97,7 @@ def check_chat(req: ChatCompletionRequest, max_n: int = MAX_N) -> None:
             raise bad_param("top_logprobs", f"`top_logprobs` must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
         if not req.logprobs:
             raise bad_param("top_logprobs", "`top_logprobs` needs `logprobs` set to true")
-    fmt = (req.response_format or {}).get("type", "text")
-    if fmt != "text":
-        raise unsupported("response_format", f"response_format `{fmt}` (only `text`)")
-    if req.tool_choice not in (None, "auto", "none"):
-        raise unsupported("tool_choice", "`tool_choice` other than \"auto\" / \"none\"")
-    for name in ("tools", "response_format", "chat_template_kwargs"):
+    for name in ("tools", "tool_choice", "chat_template_kwargs"):
         check_depth(getattr(req, name), name)
     for i, tool in enumerate(req.tools or []):
         check_tool(tool, f"tools[{i}]")

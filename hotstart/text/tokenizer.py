@@ -137,6 +137,14 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(self._templates)
 
+    def chat_template_source(self, tools: bool = False) -> str | None:
+        """The text of the template a chat (with TOOLS: a chat with tools) is rendered with, or None."""
+        try:
+            name = self._pick_template(None, [] if tools else None)
+        except ChatTemplateError:
+            return None
+        return self._templates[name][0]
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools=None, *,
                             documents=None, chat_template: str | None = None,
                             continue_final_message: bool | str = False, **kwargs) -> str:
