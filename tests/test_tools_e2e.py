@@ -73,7 +73,7 @@ def test_openai_tools_loop(client):
 @pytest.mark.parametrize("temperature,seed", [(0, None), (1.0, 1), (1.0, 2)])
 def test_openai_parse_with_pydantic(client, temperature, seed):
     r = client.chat.completions.parse(model=MODEL, response_format=City, temperature=temperature, seed=seed,
-                                      max_tokens=300, messages=[{"role": "user", "content": "Describe Paris as JSON."}])
+                                      max_tokens=500, messages=[{"role": "user", "content": "Describe Paris as JSON."}])
     assert r.choices[0].finish_reason == "stop"
     city = r.choices[0].message.parsed
     assert isinstance(city, City) and city.name
