@@ -1,11 +1,11 @@
-"""The CPU KV cache is sized from available memory (engine/core.py cpu_kv_budget / kv_cache_blocks):
+"""The CPU KV cache is sized from available memory (engine/placement.py cpu_kv_budget / kv_cache_blocks):
 pure functions fed fake numbers."""
 
 import pytest
 
 from hotstart.config import EngineConfig
-from hotstart.engine import core
-from hotstart.engine.core import CPU_KV_CACHE_CAP, CPU_KV_MEMORY_FRACTION, cpu_kv_budget, kv_cache_blocks
+from hotstart.engine import placement
+from hotstart.engine.placement import CPU_KV_CACHE_CAP, CPU_KV_MEMORY_FRACTION, cpu_kv_budget, kv_cache_blocks
 from hotstart.errors import HotstartError
 
 GiB = 1 << 30
@@ -46,16 +46,16 @@ def test_kv_cache_blocks_from_memory(monkeypatch):
 
     per_token = 57344  # Qwen2.5-7B bf16: 2 x 28 layers x 4 KV heads x 128 x 2 bytes
     cfg = EngineConfig(model_path="x", max_num_seqs=64)
-    monkeypatch.setattr(core, "mem_available", lambda: 23 * GiB)
+    monkeypatch.setattr(placement, "mem_available", lambda: 23 * GiB)
     blocks, why = kv_cache_blocks(cfg, per_token, 2048, torch.device("cpu"), weight_bytes=int(13.76e9))
     cap = int((23 * GiB - int(13.76e9)) * CPU_KV_MEMORY_FRACTION)
     assert blocks == cap // (per_token * 16)
     assert f"seqs x 2048 tokens; {CPU_KV_MEMORY_FRACTION:.0%} of MemAvailable 23.0 GiB" in why
-    monkeypatch.setattr(core, "mem_available", lambda: 64 * GiB)  # plenty: what 64 x 2048 tokens need
+    monkeypatch.setattr(placement, "mem_available", lambda: 64 * GiB)  # plenty: what 64 x 2048 tokens need
     blocks, why = kv_cache_blocks(cfg, per_token, 2048, torch.device("cpu"), weight_bytes=int(13.76e9))
     assert blocks == 64 * 2048 // 16 and why.startswith("7.0 GiB: 64 seqs x 2048 tokens; MemAvailable 64.0 GiB")
     explicit = EngineConfig(model_path="x", kv_cache_memory=GiB)
     assert kv_cache_blocks(explicit, per_token, 2048, torch.device("cpu"))[1].endswith("--kv-cache-memory")
-    monkeypatch.setattr(core, "mem_available", lambda: 14 * GiB)
+    monkeypatch.setattr(placement, "mem_available", lambda: 14 * GiB)
     with pytest.raises(HotstartError, match="not enough memory for the KV cache"):
         kv_cache_blocks(cfg, per_token, 32768, torch.device("cpu"), weight_bytes=int(13.76e9))

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from hotstart.config import EngineConfig, ModelConfig, load_model_config
-from hotstart.engine.core import resolve_placement
+from hotstart.engine.placement import resolve_placement
 from hotstart.engine.model_runner import ModelRunner, StepInputs
 from hotstart.errors import HotstartError
 from hotstart.messages import RANK_LEFT, EngineAddresses
