@@ -162,6 +162,7 @@ class EngineClient:
         self._died_at = self._died_at or now
         self.restarts += 1
         self.status = "restarting"
+        self.fast_path = None  # the replacement builds its own
         self._replace(forkserver_dead)
 
     def _replace(self, forkserver_dead: bool) -> None:
