@@ -99,9 +99,10 @@ def wait_fast_path(srv: Server, timeout: float) -> dict:
     t0 = time.monotonic()
     fast: dict = {}
     while time.monotonic() - t0 < timeout:
-        fast = (srv.get_json("/startup") or {}).get("fast_path") or {}
-        if sv.fast_path_built(fast):
-            break
+        startup = srv.get_json("/startup") or {}
+        fast = startup.get("fast_path") or {}
+        if sv.fast_path_built(fast) or (startup and "fast_path" not in startup and time.monotonic() - t0 > 5):
+            break  # built; or a hotstart without a fast path (an older checkout)
         time.sleep(1.0)
     else:
         print(f"  fast path still being built after {timeout:.0f} s: {fast}", flush=True)
@@ -115,7 +116,7 @@ def build_specs(args, model: str, levels: list[int]) -> list[sv.Spec]:
     for kind in names:
         if kind == "hotstart":
             for label, flags in sv.parse_variants(args.hotstart_variant):
-                specs.append(sv.hotstart_spec(model, args.dtype, args.hotstart_args.split() + flags.split(),
+                specs.append(sv.hotstart_spec(model, args.dtype, flags.split() + args.hotstart_args.split(),
                                               max(levels), label))
         elif kind in sv.KINDS:
             specs.append(sv.peer_spec(kind, model, args.dtype, args.peer_args.split(), args.llamacpp_threads))

@@ -72,10 +72,16 @@ def fast_path_built(fast: dict | None) -> bool:
 def hotstart_spec(model: str | None, dtype: str, extra: list[str], max_num_seqs: int | None = None,
                   label: str = "", home: str | None = None, port: int | None = None) -> Spec:
     """`hotstart serve` from this checkout on PORT (default: a port it picks and prints). `home`: its
-    HOTSTART_HOME (a private one starts with an empty compile cache; pass the model folder explicitly)."""
+    HOTSTART_HOME (a private one starts with an empty compile cache; pass the model folder explicitly).
+    Leading VAR=value words of EXTRA are its environment: PYTHONPATH=DIR runs another checkout."""
+    extra = list(extra)
+    own = {}
+    while extra and "=" in extra[0] and extra[0].split("=", 1)[0].isidentifier():
+        k, v = extra.pop(0).split("=", 1)
+        own[k] = v
     argv = [sys.executable, "-m", "hotstart", "serve", *([model] if model else []), "--port", str(port or 0),
             "--dtype", dtype, *(["--max-num-seqs", str(max_num_seqs)] if max_num_seqs else []), *extra]
-    env = {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", **({"HOTSTART_HOME": home} if home else {})}
+    env = {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", **({"HOTSTART_HOME": home} if home else {}), **own}
     return Spec(f"hotstart[{label}]" if label else "hotstart", "hotstart", argv, env,
                 url=f"http://127.0.0.1:{port}" if port else None, weights=f"{dtype} safetensors")
 
