@@ -369,3 +369,19 @@ def test_no_imports_from_prefetch_threads(big, disk_dir, method):
     assert [name for name, ident in rec.seen if ident != main] == []
     assert set(sys.modules) - before == set()
     assert pf.stats()["state"] == "done" and pf.stats()["errors"] == 2
+
+
+def test_env_read_back_after_cold_all(disk_dir):
+    """Evicted files are resident again after warm_sets: a `weights` run after the `all` runs starts with
+    the environment warm, whichever config comes first."""
+    from hotstart.bench import evict as ev
+
+    a = disk_dir / "a.bin"
+    a.write_bytes(os.urandom(3 << 20))
+    s = ev.FileSet("written")  # not "env": a file just written must be synced before it can be dropped
+    s.add_file(a)
+    s.add_file(disk_dir / "missing.bin")  # ignored: nothing to read
+    ev.evict_sets([s])
+    assert ev.residency(s) < 50.0
+    assert ev.warm_sets([s]) >= 0.0
+    assert ev.residency(s) == 100.0

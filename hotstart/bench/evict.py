@@ -10,7 +10,8 @@
 Eviction is posix_fadvise(DONTNEED) per file (no root needed) and is checked with mincore. Pages that a
 live process maps (e.g. the harness's own libpython) cannot be dropped; that is why the residency is
 recorded instead of assumed. The same union of files is evicted before every run of every config, so
-each run starts from the same cache state.
+each run starts from the same cache state; and when the modes switch from `all` to another, the whole
+environment is read back first (warm_sets), so `weights` means the weights alone are cold.
 """
 
 from __future__ import annotations
@@ -172,6 +173,23 @@ def evict_sets(sets: list[FileSet]) -> float:
                 evict(path, sync=s.name != "env")
             except OSError:
                 pass  # unreadable or vanished: residency below shows whatever stayed
+    return time.perf_counter() - t
+
+
+def warm_sets(sets: list[FileSet], chunk: int = 1 << 20) -> float:
+    """Read every file of `sets` into the page cache; returns the seconds it took. After an `all`-mode run,
+    a `weights` or `none` run must not find the environment half evicted (only what the last `all` run
+    happened to re-read is back): that would be charged to whichever config runs first."""
+    t = time.perf_counter()
+    buf = bytearray(chunk)
+    for s in sets:
+        for path in s.paths:
+            try:
+                with open(path, "rb", buffering=0) as f:
+                    while f.readinto(buf) == chunk:
+                        pass
+            except OSError:
+                pass  # unreadable or vanished: it cannot be warm or cold for the server either
     return time.perf_counter() - t
 
 
