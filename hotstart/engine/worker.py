@@ -30,6 +30,7 @@ from hotstart.messages import (
 from hotstart.model.cursor import LoadCursor
 
 IDLE_POLL_MS = 200
+RECONNECT_MS = 2
 FAST_PATH_POLL_MS = 20  # idle wait while the fast path is still being built
 
 
@@ -99,9 +100,11 @@ def run_engine(cfg: EngineConfig, addresses: EngineAddresses, rank: int = 0, wor
         return run_rank(cfg, addresses, rank, world_size)
     ctx = zmq.Context(io_threads=1)
     pull = ctx.socket(zmq.PULL)
-    pull.connect(addresses.requests)
     push = ctx.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 2000)
+    for sock in (pull, push):  # the API may bind after this connects (a zygote's engine is up first):
+        sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MS)  # retry often, not every 100 ms (zmq's default)
+    pull.connect(addresses.requests)
     push.connect(addresses.outputs)
     send = lambda msg: push.send(encoder.encode(msg))  # noqa: E731
 
