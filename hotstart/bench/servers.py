@@ -79,9 +79,9 @@ def hotstart_spec(model: str | None, dtype: str, extra: list[str], max_num_seqs:
     while extra and "=" in extra[0] and extra[0].split("=", 1)[0].isidentifier():
         k, v = extra.pop(0).split("=", 1)
         own[k] = v
-    # -P: `python -m` would put the working directory (this checkout) ahead of another one's PYTHONPATH
-    safe_path = ["-P"] if "PYTHONPATH" in own and sys.version_info >= (3, 11) else []
-    argv = [sys.executable, *safe_path, "-m", "hotstart", "serve", *([model] if model else []), "--port", str(port or 0),
+    if "PYTHONPATH" in own:  # `python -m` (also the forkserver's) would put the working directory
+        own.setdefault("PYTHONSAFEPATH", "1")  # (this checkout) ahead of the other one (Python >= 3.11)
+    argv = [sys.executable, "-m", "hotstart", "serve", *([model] if model else []), "--port", str(port or 0),
             "--dtype", dtype, *(["--max-num-seqs", str(max_num_seqs)] if max_num_seqs else []), *extra]
     env = {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", **({"HOTSTART_HOME": home} if home else {}), **own}
     return Spec(f"hotstart[{label}]" if label else "hotstart", "hotstart", argv, env,
