@@ -44,43 +44,48 @@ def penalized(seq: Sequence) -> bool:
 
 
 class TokenCounts:
-    """Generated-token counts ([rows, V] float32) and prompt-token presence ([rows, V] bool), one row per
-    live penalized sequence, kept incrementally: one index_put_ per step adds the sampled tokens. Built on
-    first use, grown by doubling."""
+    """Generated-token counts ([rows, V] float32), one row per live penalized sequence, kept
+    incrementally (one index_put_ per step adds the sampled tokens), and per row the token ids a penalty
+    applies to: the prompt's (for repetition) and every generated one, each once, so a step touches only
+    those columns (hundreds), not the whole [R, V] rows. Built on first use, grown by doubling."""
 
     def __init__(self, vocab_size: int, device: torch.device):
         self.vocab_size, self.device = vocab_size, device
         self.counts: torch.Tensor | None = None
-        self.prompt: torch.Tensor | None = None
         self._free: list[int] = []
+        self._seen: dict[int, tuple[set[int], list[int]]] = {}  # row -> (ids, the same in first-seen order)
+        self._cols: dict[int, torch.Tensor] = {}  # row -> its ids as a tensor (rebuilt when a new id appears)
 
     @torch.inference_mode()
     def _grow(self) -> None:
         old = 0 if self.counts is None else self.counts.shape[0]
         rows = max(8, 2 * old)
         counts = torch.zeros(rows, self.vocab_size, device=self.device)
-        prompt = torch.zeros(rows, self.vocab_size, dtype=torch.bool, device=self.device)
         if old:
-            counts[:old], prompt[:old] = self.counts, self.prompt
-        self.counts, self.prompt = counts, prompt
+            counts[:old] = self.counts
+        self.counts = counts
         self._free.extend(range(rows - 1, old - 1, -1))
 
     @torch.inference_mode()
     def acquire(self, prompt_ids: list[int] | None = None, like: int = -1) -> int:
-        """A zeroed row, with PROMPT_IDS marked present; or a copy of row LIKE (a forked choice)."""
+        """A zeroed row whose penalties also cover PROMPT_IDS; or a copy of row LIKE (a forked choice)."""
         if not self._free:
             self._grow()
         row = self._free.pop()
         if like >= 0:
-            self.counts[row], self.prompt[row] = self.counts[like], self.prompt[like]
+            self.counts[row] = self.counts[like]
+            ids, order = self._seen[like]
+            self._seen[row] = (set(ids), list(order))
         else:
             self.counts[row].zero_()
-            self.prompt[row].zero_()
-            if prompt_ids:
-                self.prompt[row, torch.tensor(prompt_ids, device=self.device)] = True
+            order = list(dict.fromkeys(prompt_ids or ()))
+            self._seen[row] = (set(order), order)
+        self._cols.pop(row, None)
         return row
 
     def release(self, row: int) -> None:
+        self._seen.pop(row, None)
+        self._cols.pop(row, None)
         self._free.append(row)
 
     @torch.inference_mode()
@@ -90,6 +95,19 @@ class TokenCounts:
             r = torch.tensor(rows, device=self.device)
             t = torch.tensor(tokens, device=self.device)
             self.counts.index_put_((r, t), torch.ones(len(rows), device=self.device), accumulate=True)
+            for row, tok in zip(rows, tokens, strict=True):
+                ids, order = self._seen[row]
+                if tok not in ids:
+                    ids.add(tok)
+                    order.append(tok)
+                    self._cols.pop(row, None)
+
+    def cols(self, row: int) -> torch.Tensor:
+        """The ids row ROW's penalties apply to (prompt ids for repetition, generated ids), unique."""
+        c = self._cols.get(row)
+        if c is None:
+            c = self._cols[row] = torch.tensor(self._seen[row][1], dtype=torch.long, device=self.device)
+        return c
 
 
 def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -124,7 +142,8 @@ def add_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 
 class Penalties:
-    """Repetition, then presence / frequency penalties, from the TokenCounts rows of the sequences."""
+    """Repetition, then presence / frequency penalties, on the columns TokenCounts lists per row only:
+    elsewhere the count is 0 and the token unseen, so the penalties change nothing there."""
 
     def __init__(self, counts: TokenCounts):
         self.counts = counts
@@ -134,21 +153,24 @@ class Penalties:
         if not idx:
             return logits
         params = [seqs[i].params for i in idx]
+        slots = [seqs[i].sampling.count_row for i in idx]
+        cols = [self.counts.cols(r) for r in slots]
+        lens = torch.tensor([c.numel() for c in cols], device=logits.device)
+        if not int(lens.sum()):
+            return logits
         dev = logits.device
-        slots = _rows(logits, [seqs[i].sampling.count_row for i in idx])
-        rows = _rows(logits, idx)
-        sub = logits[rows]  # [R, V]
-        counts = self.counts.counts[slots]  # [R, V]
-        generated = counts > 0
-        if any(p.repetition_penalty != 1 for p in params):
-            rep = torch.tensor([p.repetition_penalty for p in params], device=dev)[:, None]
-            seen = generated | self.counts.prompt[slots]
-            sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        c = torch.cat(cols)  # [N]: every (row, column) pair a penalty applies to, each once
+        r = torch.repeat_interleave(_rows(logits, idx), lens)
+        sub = logits[r, c]  # [N]
+        counts = self.counts.counts[torch.repeat_interleave(_rows(logits, slots), lens), c]  # [N]
+        if any(p.repetition_penalty != 1 for p in params):  # every listed column is prompt or generated
+            rep = torch.repeat_interleave(torch.tensor([p.repetition_penalty for p in params], device=dev), lens)
+            sub = torch.where(sub > 0, sub / rep, sub * rep)
         if any(p.frequency_penalty != 0 or p.presence_penalty != 0 for p in params):
-            freq = torch.tensor([p.frequency_penalty for p in params], device=dev)[:, None]
-            pres = torch.tensor([p.presence_penalty for p in params], device=dev)[:, None]
-            sub = sub - freq * counts - pres * generated.to(sub.dtype)
-        logits[rows] = sub
+            freq = torch.repeat_interleave(torch.tensor([p.frequency_penalty for p in params], device=dev), lens)
+            pres = torch.repeat_interleave(torch.tensor([p.presence_penalty for p in params], device=dev), lens)
+            sub = sub - freq * counts - pres * (counts > 0).to(sub.dtype)
+        logits[r, c] = sub
         return logits
 
 
