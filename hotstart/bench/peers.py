@@ -50,16 +50,23 @@ def read_commands_env(path: Path) -> dict[str, str]:
     return out
 
 
+def leading_env(words: list[str]) -> tuple[dict[str, str], list[str]]:
+    """(environment from the leading VAR=value words, the words that follow), as a shell reads them."""
+    words = list(words)
+    env: dict[str, str] = {}
+    while words and "=" in words[0] and words[0].split("=", 1)[0].isidentifier():
+        k, v = words.pop(0).split("=", 1)
+        env[k] = v
+    return env, words
+
+
 def split_command(cmd: str, what: str) -> tuple[dict[str, str], list[str]]:
     """(environment from the leading VAR=value words, the argv that follows)."""
     try:
         words = shlex.split(cmd)
     except ValueError as e:
         raise HotstartError(f"{what} {cmd!r}: {e}") from None
-    env: dict[str, str] = {}
-    while words and "=" in words[0] and words[0].split("=", 1)[0].isidentifier():
-        k, v = words.pop(0).split("=", 1)
-        env[k] = v
+    env, words = leading_env(words)
     if not words:
         raise HotstartError(f"{what} {cmd!r}: no command")
     return env, words

@@ -74,11 +74,7 @@ def hotstart_spec(model: str | None, dtype: str, extra: list[str], max_num_seqs:
     """`hotstart serve` from this checkout on PORT (default: a port it picks and prints). `home`: its
     HOTSTART_HOME (a private one starts with an empty compile cache; pass the model folder explicitly).
     Leading VAR=value words of EXTRA are its environment: PYTHONPATH=DIR runs another checkout."""
-    extra = list(extra)
-    own = {}
-    while extra and "=" in extra[0] and extra[0].split("=", 1)[0].isidentifier():
-        k, v = extra.pop(0).split("=", 1)
-        own[k] = v
+    own, extra = peers.leading_env(extra)
     if "PYTHONPATH" in own:  # `python -m` (also the forkserver's) would put the working directory
         own.setdefault("PYTHONSAFEPATH", "1")  # (this checkout) ahead of the other one (Python >= 3.11)
     argv = [sys.executable, "-m", "hotstart", "serve", *([model] if model else []), "--port", str(port or 0),
