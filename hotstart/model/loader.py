@@ -72,6 +72,15 @@ def load_model(
     names = _checkpoint_names(model)
     filled: dict[str, set[str | None]] = {}  # parameter -> shards loaded (None: not packed)
     packed_buffers: dict[str, torch.Tensor] = {}
+
+    def packed_buffer(target: str, shape) -> torch.Tensor:
+        """The fused parameter TARGET (q/k/v or gate/up packed), allocated at its first shard."""
+        buf = packed_buffers.get(target)
+        if buf is None:
+            buf = packed_buffers[target] = torch.empty(shape, device=device, dtype=dtype)
+            _set_param(model, target, buf)
+        return buf
+
     base = 0
     toucher = PageToucher()  # first CPU touch of each populated page, overlapped with the reads after it
     # to a GPU: through pinned staging buffers, copies overlapped with the reads (model/upload.py)
@@ -109,11 +118,7 @@ def load_model(
                         param = torch.empty(src.shape, device=device, dtype=dtype)
                         _set_param(model, target, param)
                     else:
-                        param = packed_buffers.get(target)
-                        if param is None:
-                            param = packed_buffers[target] = torch.empty(meta.shape, device=device, dtype=dtype)
-                            _set_param(model, target, param)
-                        param = param[start:start + size]
+                        param = packed_buffer(target, meta.shape)[start:start + size]
                     staged.copy(param, src)
                 elif proj is None:
                     param = src.to(device=device, dtype=dtype).contiguous()  # a column range is copied
@@ -122,11 +127,7 @@ def load_model(
                         toucher.touch(param)
                     _set_param(model, target, param)
                 else:
-                    buf = packed_buffers.get(target)
-                    if buf is None:
-                        buf = packed_buffers[target] = torch.empty(meta.shape, device=device, dtype=dtype)
-                        _set_param(model, target, buf)
-                    buf[start:start + size].copy_(src)
+                    packed_buffer(target, meta.shape)[start:start + size].copy_(src)
                 filled.setdefault(target, set()).add(proj)
                 if on_progress is not None:
                     on_progress(base + info.end)
