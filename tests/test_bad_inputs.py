@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from util import Server
+from util import serving
 
 pytestmark = pytest.mark.e2e
 
@@ -28,10 +28,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def server(default_model_dir):
-    s = Server("--max-model-len", str(MAX_MODEL_LEN), "--max-request-bytes", str(MAX_REQUEST_BYTES))
-    yield s
-    if s.proc.poll() is None:
-        s.stop()
+    yield from serving("--max-model-len", str(MAX_MODEL_LEN), "--max-request-bytes", str(MAX_REQUEST_BYTES))
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 from pathlib import Path
+
+from util import run_session
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -59,15 +60,8 @@ def peers_env(tmp_path: Path, delay: float = 0.0) -> dict:
 
 
 def run(script: str, args: list[str], env: dict, timeout: float = 90) -> subprocess.CompletedProcess:
-    proc = subprocess.Popen([sys.executable, str(REPO / "benchmarks" / script), *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+    return run_session([sys.executable, str(REPO / "benchmarks" / script), *args], timeout, env,
+                       merge_stderr=True, cwd=REPO)
 
 
 def bodies(tmp_path: Path) -> list[dict]:

@@ -19,21 +19,14 @@ from pathlib import Path
 
 import psutil
 import pytest
+from util import run_session
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def bench(args: list[str], timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "hotstart", "bench", "startup", *args]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env={**os.environ, **(env or {})})
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return run_session([sys.executable, "-m", "hotstart", "bench", "startup", *args], timeout,
+                       {**os.environ, **(env or {})}, cwd=REPO)
 
 
 def assert_groups_gone(data: dict) -> None:

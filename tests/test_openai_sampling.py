@@ -11,7 +11,7 @@ import shutil
 import httpx
 import pytest
 from openai import OpenAI
-from util import Server
+from util import Server, openai_client, serving
 
 pytestmark = pytest.mark.e2e
 
@@ -21,15 +21,12 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def server(default_model_dir):
-    s = Server("--max-model-len", "1024", "--max-num-seqs", "16", "--dtype", "float32")
-    yield s
-    if s.proc.poll() is None:
-        s.stop()
+    yield from serving("--max-model-len", "1024", "--max-num-seqs", "16", "--dtype", "float32")
 
 
 @pytest.fixture(scope="module")
 def client(server) -> OpenAI:
-    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +191,7 @@ def test_generation_config_defaults(tiny_checkpoint, default_model_dir, tmp_path
     try:
         assert "sampling defaults from generation_config.json: temperature=0.7, top_p=0.8, top_k=20, " \
                "repetition_penalty=1.05" in s.output
-        c = OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        c = openai_client(s, timeout=60)
 
         def text(**kw):
             r = c.completions.create(model="tiny", prompt=[5, 6, 7, 8, 9], max_tokens=16, seed=4,

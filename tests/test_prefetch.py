@@ -5,16 +5,15 @@ need a disk-backed directory (not tmpfs); they skip where none is found.
 """
 
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from util import disk_backed_dir
 
 from hotstart.boot import storage
 from hotstart.model.cursor import LoadCursor
@@ -44,13 +43,8 @@ def _write(path: Path, size: int) -> Path:
 @pytest.fixture(scope="module")
 def disk_dir(tmp_path_factory):
     """A disk-backed directory: pytest's tmp if it is not tmpfs, else /var/tmp."""
-    d = tmp_path_factory.mktemp("prefetch")
-    if storage.detect(d).kind == "memory":
-        d = Path(tempfile.mkdtemp(prefix="hotstart-test-", dir="/var/tmp"))
-        if storage.detect(d).kind == "memory":
-            pytest.skip("no disk-backed directory to evict from")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+    with disk_backed_dir(tmp_path_factory, "prefetch") as d:
+        yield d
 
 
 @pytest.fixture(scope="module")

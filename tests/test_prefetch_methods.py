@@ -3,12 +3,11 @@
 (Per-method residency, window and skip checks are parametrized in test_prefetch.py.)"""
 
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
+from util import disk_backed_dir
 
 from hotstart.boot import populate, storage
 from hotstart.boot.populate import METHODS
@@ -23,17 +22,12 @@ SLACK = 2 * MiB  # see test_prefetch.py: this VM sometimes drops a few clean pag
 
 @pytest.fixture(scope="module")
 def cold_file(tmp_path_factory):
-    d = tmp_path_factory.mktemp("methods")
-    if storage.detect(d).kind == "memory":
-        d = Path(tempfile.mkdtemp(prefix="hotstart-test-", dir="/var/tmp"))
-        if storage.detect(d).kind == "memory":
-            pytest.skip("no disk-backed directory to evict from")
-    path = d / "f.bin"
-    with open(path, "wb") as f:
-        f.write(os.urandom(SIZE))
-        os.fsync(f.fileno())
-    yield path
-    shutil.rmtree(d, ignore_errors=True)
+    with disk_backed_dir(tmp_path_factory, "methods") as d:
+        path = d / "f.bin"
+        with open(path, "wb") as f:
+            f.write(os.urandom(SIZE))
+            os.fsync(f.fileno())
+        yield path
 
 
 def _cold(path: Path) -> None:

@@ -19,7 +19,7 @@ from urllib.parse import quote
 import httpx
 import psutil
 import pytest
-from util import Server
+from util import Server, serving
 
 from hotstart.boot.default_model import default_model_dir as served_model_folder
 
@@ -36,10 +36,7 @@ HOSTILE_MODELS = ["../../etc/passwd", "/etc/passwd", "~", "~root/.ssh/id_rsa", "
 @pytest.fixture(scope="module")
 def server(default_model_dir):
     # debug: if nothing leaks at the most verbose level, nothing leaks at the default one
-    s = Server("--max-model-len", "512", "--api-key", KEY, "--log-level", "debug")
-    yield s
-    if s.proc.poll() is None:
-        s.stop()
+    yield from serving("--max-model-len", "512", "--api-key", KEY, "--log-level", "debug")
 
 
 def assert_401(r: httpx.Response) -> None:

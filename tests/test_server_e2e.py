@@ -14,22 +14,19 @@ import sys
 import httpx
 import pytest
 from openai import OpenAI
-from util import Server
+from util import Server, openai_client, serving
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
 def server(default_model_dir):
-    s = Server("--max-model-len", "1024", "--max-num-seqs", "16", "--dtype", "float32")
-    yield s
-    if s.proc.poll() is None:
-        s.stop()
+    yield from serving("--max-model-len", "1024", "--max-num-seqs", "16", "--dtype", "float32")
 
 
 @pytest.fixture(scope="module")
 def client(server) -> OpenAI:
-    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from openai import OpenAI
 from pydantic import BaseModel, Field
 from test_grammar_engine import make_tiny
 from test_tools import DATA
-from util import Server
+from util import Server, openai_client, serving
 
 pytestmark = pytest.mark.e2e
 
@@ -38,15 +38,12 @@ class City(BaseModel):
 
 @pytest.fixture(scope="module")
 def server(default_model_dir):
-    s = Server("--max-model-len", "2048", "--max-num-seqs", "8")
-    yield s
-    if s.proc.poll() is None:
-        s.stop()
+    yield from serving("--max-model-len", "2048", "--max-num-seqs", "8")
 
 
 @pytest.fixture(scope="module")
 def client(server) -> OpenAI:
-    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 def test_openai_tools_loop(client):
@@ -155,14 +152,11 @@ def test_langchain_bind_tools_and_structured_output(server):
 @pytest.fixture(scope="module")
 def qwen_server(tmp_path_factory, default_model_dir):
     d = make_tiny(tmp_path_factory.mktemp("qwen-tools") / "m", (DATA / "qwen2.5_chat_template.jinja").read_text())
-    s = Server(str(d), "--served-model-name", "tiny", "--max-model-len", "1024", "--dtype", "float32")
-    yield s
-    if s.proc.poll() is None:
-        s.stop()
+    yield from serving(str(d), "--served-model-name", "tiny", "--max-model-len", "1024", "--dtype", "float32")
 
 
 def test_random_model_forced_calls_are_valid(qwen_server):
-    client = OpenAI(base_url=qwen_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai_client(qwen_server)
     plain = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=1, temperature=0)
     kw = dict(model="tiny", messages=ASK, tools=[WEATHER, TIME], max_tokens=300, temperature=1.5, n=4, seed=11)
     r = client.chat.completions.create(tool_choice="required", parallel_tool_calls=False, **kw)
@@ -181,7 +175,7 @@ def test_api_process_imports_grammar_library_on_its_main_thread(default_model_di
     audit = tmp_path / "audit.json"
     s = Server("--max-model-len", "512", env={"HOTSTART_AUDIT_IMPORTS": str(audit)})
     try:
-        client = OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        client = openai_client(s)
         r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=20, temperature=0,
                                            extra_body={"guided_choice": ["sunny", "rainy"]})
         assert r.choices[0].message.content in ("sunny", "rainy")

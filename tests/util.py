@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -89,3 +93,54 @@ class Server:
 
     def kill(self) -> None:
         self._srv.kill()
+
+
+def serving(*args: str, **kwargs):
+    """For a fixture: `yield from serving(ARGS...)` yields a started Server, then stops it (checking that
+    nothing is left) unless a test already ended it."""
+    s = Server(*args, **kwargs)
+    yield s
+    if s.proc.poll() is None:
+        s.stop()
+
+
+def openai_client(server: Server, timeout: float = 120):
+    """The openai client on SERVER, no retries (a failure must show, not be retried away)."""
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+
+
+@contextlib.contextmanager
+def disk_backed_dir(tmp_path_factory, name: str):
+    """A disk-backed directory to evict files from: pytest's tmp if it is not tmpfs, else one under
+    /var/tmp (skips the test if that is memory too); removed afterwards."""
+    import pytest
+
+    from hotstart.boot import storage
+
+    d = tmp_path_factory.mktemp(name)
+    if storage.detect(d).kind == "memory":
+        d = Path(tempfile.mkdtemp(prefix="hotstart-test-", dir="/var/tmp"))
+        if storage.detect(d).kind == "memory":
+            pytest.skip("no disk-backed directory to evict from")
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def run_session(cmd: list[str], timeout: float, env: dict | None = None, merge_stderr: bool = False,
+                cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run CMD in its own session; past TIMEOUT the whole group is killed (nothing outlives a test) and
+    TimeoutExpired is raised."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "" if merge_stderr else err)
