@@ -18,6 +18,7 @@ from util import Server
 from hotstart.config import EngineConfig
 from hotstart.engine.core import EngineCore
 from hotstart.engine.fastpath import FastPath, cache_folder
+from hotstart.engine.model_runner import StepInputs
 from hotstart.messages import EngineRequest, FastPathStatus, SamplingParams, Span
 from hotstart.model import packed
 from hotstart.model.files import weight_files
@@ -29,7 +30,9 @@ pytestmark = pytest.mark.skipif(not packed.available(torch.device("cpu"), torch.
 
 def test_packed_linear_equals_plain():
     g = torch.Generator().manual_seed(0)
-    for dtype, tol in ((torch.bfloat16, 0.0), (torch.float32, 1e-5)):
+    # bf16: oneDNN's kernels (chosen by host) may round differently from F.linear's, within bf16's own
+    # precision; float32: the same up to accumulation order
+    for dtype, tol in ((torch.bfloat16, 2e-2), (torch.float32, 1e-5)):
         w, b = torch.randn(96, 80, generator=g).to(dtype), torch.randn(96, generator=g).to(dtype)
         p = packed.pack(w)
         for rows in (1, 5, 16, 33):
@@ -101,12 +104,37 @@ def test_compiled_graphs_equal_plain_eager_in_float32(family, tiny_checkpoint, t
     fast.close()
 
 
-def test_packed_weights_are_exact_in_bfloat16(default_model_dir):
+def _all_logits(core: EngineCore, ids: list[int]) -> torch.Tensor:
+    """Logits at every position of one prefill of IDS (teacher forced: no sampling feeds back)."""
+    blocks = list(range(1, -(-len(ids) // core.cfg.block_size) + 1))
+    return core.runner.run(StepInputs(ids, [0], [len(ids)], [blocks], [False], [True]))
+
+
+def test_packed_weights_equal_plain_in_float32_and_add_no_error_in_bfloat16(default_model_dir):
+    """oneDNN picks its bf16 kernels by host (AMX, AVX512-BF16, ...): their accumulation order, and so
+    bf16 results, may differ from F.linear's. The claim that holds on every host: in float32 packed ==
+    plain (greedy tokens identical, logits within 2e-4 of their scale: 30 layers of accumulation order); in bf16 packing adds no error beyond bf16's own
+    (measured against the float32 model: mean |error| within 1.25x of the plain bf16 path's, top-1
+    agreement within 5 points)."""
+    ids = [(i * 7919) % 49000 + 3 for i in range(96)]
+    ref32 = _core(default_model_dir, dtype="float32")
+    exact = _all_logits(ref32, ids)
+    greedy32 = _greedy(ref32)
+    fast32, _ = _build(ref32, "eager-only")
+    assert fast32.status().packing.startswith("packed")
+    assert _greedy(ref32) == greedy32
+    assert (_all_logits(ref32, ids) - exact).abs().max().item() < 2e-4 * exact.abs().max().item()
+
     core = _core(default_model_dir, dtype="bfloat16")
-    ref = _greedy(core)
+    plain = _all_logits(core, ids)
     fast, _ = _build(core, "eager-only")
     assert fast.status().packing.startswith("packed") and fast.status().compile.startswith("off")
-    assert _greedy(core) == ref
+    packed_ = _all_logits(core, ids)
+    err_plain, err_packed = (plain - exact).abs().mean().item(), (packed_ - exact).abs().mean().item()
+    assert err_packed <= 1.25 * err_plain + 1e-3, (err_packed, err_plain)
+    top1 = lambda x: (x.argmax(-1) == exact.argmax(-1)).float().mean().item()  # noqa: E731
+    assert top1(packed_) >= top1(plain) - 0.05
+    assert sum(len(t) for t in _greedy(core).values()) == 4 * 24  # and it serves
 
 
 def test_auto_packs_where_it_fits_and_compiles_where_it_does_not(tiny_checkpoint, monkeypatch):

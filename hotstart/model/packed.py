@@ -2,8 +2,9 @@
 
 `torch.ops.mkldnn._reorder_linear_weight` lays a [out, in] weight out in oneDNN's blocked format once;
 `_linear_pointwise` then multiplies with it. Measured here (AVX512-BF16 EPYC, one thread): 1.4x
-faster than F.linear at 16 rows and 1.8x at one row in bf16, bit-identical results in bf16 (float32:
-differences of ~1e-6). A packed weight is a copy (anonymous memory the size of the weight), so the
+faster than F.linear at 16 rows and 1.8x at one row in bf16. float32 results equal F.linear's up to
+accumulation order; bf16 results may round differently (oneDNN picks its kernels by host), within bf16's
+own error of the float32 model (tests/test_fastpath.py). A packed weight is a copy (anonymous memory the size of the weight), so the
 engine packs only where memory allows, after READY (engine/fastpath.py).
 """
 
