@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hotstart-installed
 
-.PHONY: setup serve test bench clean peers
+.PHONY: setup serve test test-fast lint bench clean peers
 
 setup: $(STAMP)
 
@@ -21,8 +21,16 @@ $(STAMP): pyproject.toml Makefile
 serve: setup
 	$(VENV)/bin/hotstart serve $(ARGS)
 
-test: setup
+lint: setup
+	$(VENV)/bin/ruff check hotstart tests benchmarks
+
+# everything: the linter, then every test (the README's test command, and CI's)
+test: setup lint
 	$(PY) -m pytest -q tests $(ARGS)
+
+# the fast tier: no test that starts a process or a server (tests/conftest.py marks those e2e)
+test-fast: setup
+	$(PY) -m pytest -q -m "not e2e" tests $(ARGS)
 
 # Peer servers (vLLM CPU, llama.cpp, transformers serve) in venvs outside the repo, for
 # `hotstart bench startup --peer`: see benchmarks/peers/README.md (ARGS="--smoke", "--check", "--only vllm").

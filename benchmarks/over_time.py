@@ -203,7 +203,7 @@ def draw(results: dict, path: Path, args) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(11, 5), dpi=90)
-    for i, (kind, r) in enumerate(results.items()):
+    for i, r in enumerate(results.values()):
         color = f"C{i % 10}"
         xs = [(w["t0"] + w["t1"]) / 2 for w in r["windows"]]
         ax.plot(xs, [w["tps"] for w in r["windows"]], marker="o", ms=3, color=color,

@@ -133,9 +133,9 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_zygote_command(args)
         if args.command == "timeline":
-            from hotstart.boot.timeline_png import render_png  # noqa: PLC0415
-
             import json  # noqa: PLC0415
+
+            from hotstart.boot.timeline_png import render_png  # noqa: PLC0415
 
             try:
                 with open(args.trace, encoding="utf-8") as f:

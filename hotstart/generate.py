@@ -14,10 +14,10 @@ ENGINE_EXCLUDES = ("max_num_seqs", "max_num_batched_tokens", "seed", "tensor_par
 
 def run_generate(args: argparse.Namespace) -> int:
     from hotstart.boot.resolve import resolve_model  # noqa: PLC0415
-    from hotstart.model.files import weight_files  # noqa: PLC0415
     from hotstart.config import EngineConfig  # noqa: PLC0415
     from hotstart.engine.core import EngineCore  # noqa: PLC0415 - imports torch
     from hotstart.messages import EngineRequest, SamplingParams  # noqa: PLC0415
+    from hotstart.model.files import weight_files  # noqa: PLC0415
     from hotstart.text.tokenizer import IncrementalDetokenizer, Tokenizer  # noqa: PLC0415
 
     if args.temperature < 0 or args.temperature != args.temperature:

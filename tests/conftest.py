@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import inspect
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -101,3 +106,85 @@ def tiny_checkpoint(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+# ---- test tiers -------------------------------------------------------------------------------------
+# A test that starts a process (a server, a forkserver, a CLI run, a compile worker) is `e2e`, marked here
+# at collection, never by hand: its source, its fixtures' and the test-local functions and classes they
+# use (transitively) are scanned for a process start. `make test-fast` (-m "not e2e") runs the rest, and
+# there a process started while a test runs fails that test, naming the starter to add below.
+STARTERS = re.compile(
+    r"\bsubprocess\.(Popen|run|call|check_call|check_output)\b|\bos\.(fork|posix_spawn|spawn\w*|exec\w*)\b"
+    r"|\bmultiprocessing\b|\bcreate_subprocess_\w+\b"
+    # hotstart entry points that start processes: the launcher (forkserver / engine), the zygote, the
+    # compile worker of the graphs fast path
+    r"|\bEngineLauncher\b|\bzygote\b|\"graphs\""
+)
+
+
+AUTOUSE = {"private_runtime_dir", "no_background_compiles", "fast_tier_starts_no_process"}
+
+
+_STARTS: dict[int, bool] = {}  # id(test-local function or class) -> whether it starts a process
+
+
+def _scanned(obj) -> bool:
+    """Whether OBJ's source (a test-local function or class) or what it references starts a process."""
+    key = id(obj)
+    if key in _STARTS:
+        return _STARTS[key]
+    _STARTS[key] = False  # while scanning: a cycle adds nothing
+    try:
+        src = inspect.getsource(obj)
+        file = inspect.getsourcefile(obj) or ""
+    except (OSError, TypeError):
+        return False
+    if not file.startswith(str(TESTS)):
+        return False
+    found = bool(STARTERS.search(src))
+    if not found:
+        scope = getattr(obj, "__globals__", None) or vars(sys.modules.get(obj.__module__, object))
+        refs = (scope.get(name) for name in set(re.findall(r"\b[A-Za-z_]\w*\b", src)))
+        found = any((inspect.isfunction(r) or inspect.isclass(r)) and _scanned(r) for r in refs)
+    _STARTS[key] = found
+    return found
+
+
+def starts_processes(item) -> bool:
+    if _scanned(getattr(item, "function", None)):
+        return True
+    for defs in item._fixtureinfo.name2fixturedefs.values():
+        for fixturedef in defs:
+            if inspect.getsourcefile(fixturedef.func) == __file__ and fixturedef.argname in AUTOUSE:
+                continue  # this file's own autouse fixtures (runtime folder, tiers) start nothing
+            if _scanned(fixturedef.func):
+                return True
+    return False
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("e2e") is None and starts_processes(item):
+            item.add_marker(pytest.mark.e2e)
+
+
+@pytest.fixture(autouse=True)
+def fast_tier_starts_no_process(request, monkeypatch):
+    """In the fast tier (-m "not e2e"), a process started by the test itself (not by a session fixture
+    preparing data) fails the test: the collection scan above missed a starter. Only python / hotstart
+    processes count."""
+    if "not e2e" not in (request.config.getoption("-m") or "") or request.node.get_closest_marker("e2e"):
+        yield
+        return
+    real = subprocess.Popen._execute_child
+
+    def refuse(self, args, *rest, **kw):
+        argv = [str(a) for a in (args if isinstance(args, (list, tuple)) else [args])]
+        if not any("python" in a or "hotstart" in a for a in argv[:3]):
+            return real(self, args, *rest, **kw)  # a library's helper (openai runs `uname -p`), not ours
+        pytest.fail(f"{request.node.nodeid} starts a process ({args!r:.120}) but was not marked e2e: add its "
+                    "starter to STARTERS in tests/conftest.py", pytrace=False)
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
+    yield
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", real)

@@ -280,7 +280,7 @@ class Prefetcher:
                 f, off, n = work
                 try:
                     self._read_block(f, off, n, pop, vec)
-                except Exception as e:  # best effort: record, skip the file, never raise
+                except Exception as e:  # noqa: BLE001 - best effort: record, skip the file, never raise
                     with self._lock:
                         if f.state != "failed":
                             f.state = "failed"
@@ -291,7 +291,7 @@ class Prefetcher:
                         if self._closable(f):
                             self._detach(f)
                     self._close_detached()
-        except Exception as e:  # a bug (or MemoryError) must not escape a daemon thread (excepthook would import)
+        except Exception as e:  # noqa: BLE001 - a bug must not escape a daemon thread (excepthook would import)
             with self._lock:
                 self._record_error("prefetch", e)
         finally:

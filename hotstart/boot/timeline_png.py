@@ -272,7 +272,7 @@ def _table(fig: Figure, phases: list[dict], number: dict, on_path: set, width: C
         x += w + 16
     xs.append(x)
     for i, (row, bold) in enumerate(zip([head, *rows], [True] + [id(p) in on_path for p in phases])):
-        row[5] = _cut(row[5], fig_w - x - 20, lambda s: width(s, TABLE_PT, bold))
+        row[5] = _cut(row[5], fig_w - x - 20, lambda s, bold=bold: width(s, TABLE_PT, bold))
         y = 1 - (top_px + (i + 0.5) * row_px) / fig_h
         for c, s in enumerate(row):
             if s:

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from hotstart.config import EngineConfig, ModelConfig, load_model_config
-from hotstart.engine.placement import resolve_placement
 from hotstart.engine.model_runner import ModelRunner, StepInputs
+from hotstart.engine.placement import resolve_placement
 from hotstart.errors import HotstartError
 from hotstart.messages import RANK_LEFT, EngineAddresses
 from hotstart.model import packed

@@ -60,7 +60,7 @@ class Grammars:
 
     def __init__(self, sampler: Any, model_path: str, vocab_size: int, eos_ids: tuple[int, ...],
                  device: torch.device) -> None:
-        import llguidance
+        import llguidance  # noqa: PLC0415 - loaded by the first constrained request
 
         self.llg, self.sampler, self.vocab_size, self.device = llguidance, sampler, vocab_size, device
         self.words = (vocab_size + 31) // 32  # int32 words of one bitmask row
@@ -115,7 +115,7 @@ class Grammars:
 
     def cancel(self, seq: Sequence) -> None:
         """SEQ was aborted while waiting: it is not handed out."""
-        for grammar, seqs in list(self.waiting.items()):
+        for seqs in list(self.waiting.values()):
             if seq in seqs:
                 seqs.remove(seq)
         self.done = [(s, e) for s, e in self.done if s is not seq]

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from hotstart.engine.sequence import Sequence
-from hotstart.model.decoder import CausalLM
 from hotstart.model.attention import AttnMetadata, DecodeGroup, PrefillGroup
+from hotstart.model.decoder import CausalLM
 
 
 def kv_bytes_per_token(model: CausalLM, dtype: torch.dtype) -> int:

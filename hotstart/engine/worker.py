@@ -24,8 +24,18 @@ from hotstart.engine.core import EngineCore
 from hotstart.engine.fastpath import FastPath
 from hotstart.errors import HotstartError
 from hotstart.messages import (
-    RANK_LEFT, AbortRequest, EngineAddresses, EngineFailed, EngineReady, EngineRequest, Shutdown, Span,
-    StepOutputs, TokenOutput, encoder, to_engine_decoder,
+    RANK_LEFT,
+    AbortRequest,
+    EngineAddresses,
+    EngineFailed,
+    EngineReady,
+    EngineRequest,
+    Shutdown,
+    Span,
+    StepOutputs,
+    TokenOutput,
+    encoder,
+    to_engine_decoder,
 )
 from hotstart.model.cursor import LoadCursor
 

@@ -118,7 +118,7 @@ class EngineLauncher:
         this returns at once (it forks when its preload is done)."""
         import msgspec  # noqa: PLC0415
 
-        from hotstart.messages import EngineSpawned, SpawnEngine, Span  # noqa: PLC0415
+        from hotstart.messages import EngineSpawned, Span, SpawnEngine  # noqa: PLC0415
 
         if new_generation:
             self.generation += 1
@@ -156,7 +156,11 @@ class EngineLauncher:
         Events of earlier engine generations are dropped here."""
         from hotstart.framing import FrameError, FrameReader  # noqa: PLC0415
         from hotstart.messages import (  # noqa: PLC0415
-            EngineExited, EngineSpawned, ForkserverExited, FromForkserver, SpawnRefused,
+            EngineExited,
+            EngineSpawned,
+            ForkserverExited,
+            FromForkserver,
+            SpawnRefused,
         )
 
         events, self._pending = self._pending, []

@@ -26,7 +26,14 @@ from dataclasses import dataclass  # noqa: E402
 from hotstart import __version__  # noqa: E402
 from hotstart.framing import FrameError, FrameReader, send  # noqa: E402
 from hotstart.messages import (  # noqa: E402
-    EngineExited, EngineSpawned, ServerInfo, SpawnEngine, Span, StopEngine, StopServer, ToForkserver,
+    EngineExited,
+    EngineSpawned,
+    ServerInfo,
+    Span,
+    SpawnEngine,
+    StopEngine,
+    StopServer,
+    ToForkserver,
 )
 from hotstart.procs import die_with_parent, terminate_then_kill  # noqa: E402
 

@@ -40,7 +40,14 @@ from hotstart.forkserver.checks import changed, stamps, validate  # noqa: E402
 from hotstart.forkserver.runtime import hotstart_dir, import_env, peer_problem  # noqa: E402
 from hotstart.forkserver.server import ForkServer  # noqa: E402
 from hotstart.messages import (  # noqa: E402
-    EngineContext, KeptModel, Span, SpawnEngine, SpawnRefused, StopServer, ZygoteQuery, ZygoteStatus,
+    EngineContext,
+    KeptModel,
+    Span,
+    SpawnEngine,
+    SpawnRefused,
+    StopServer,
+    ZygoteQuery,
+    ZygoteStatus,
 )
 
 MAX_FDS = 8

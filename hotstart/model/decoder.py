@@ -17,6 +17,7 @@ from hotstart.model import packed
 from hotstart.model.attention import AttnMetadata
 from hotstart.model.layers import DecoderLayer, Embedding, Linear, RMSNorm, RotaryEmbedding
 
+
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int, fused: bool):
         super().__init__()

@@ -7,6 +7,7 @@ linear layers see [T, hidden]; only attention regroups them per sequence (model/
 from __future__ import annotations
 
 import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -152,7 +153,8 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x: [T, hidden] (normed) -> q: [T, H, D], k, v: [T, KVH, D] (q/k normed, RoPE applied)."""
         t = x.shape[0]
         if self.fused:
             q, k, v = self.qkv_proj.forward_split(x)
@@ -163,14 +165,14 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(q, meta.cos, meta.sin), RotaryEmbedding.apply(k, meta.cos, meta.sin)
-        return self.o_proj(self.attend(q, k, v, meta).reshape(t, self.q_size))
+        return RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin), v
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
-        """Write this step's K/V into the paged cache and attend. q: [T, H, D], k, v: [T, KVH, D] -> [T, H, D]."""
+        """Write this step's K/V into the paged cache and attend (eager: paged, any context).
+        q: [T, H, D], k, v: [T, KVH, D] -> o: [T, H * D] (before o_proj)."""
         self.k_cache[:, meta.slot_mapping] = k.transpose(0, 1)  # cache: [KVH, slots, D]
         self.v_cache[:, meta.slot_mapping] = v.transpose(0, 1)
-        return paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
+        return paged_attention(q, self.k_cache, self.v_cache, meta, self.scale).reshape(q.shape[0], self.q_size)
 
 
 class GatedMLP(nn.Module):
@@ -201,6 +203,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg, fused)
 
-    def forward(self, x: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), meta)
+    # The layer in two pure halves around attention, so a compiled graph can take every op but the paged
+    # attention (model/graphs.py): forward(x) == finish(self_attn.attend(*attn_inputs(x, meta), meta), x).
+    def attn_inputs(self, x: torch.Tensor, meta: AttnMetadata):
+        """x: [T, hidden] (the layer's input) -> q: [T, H, D], k, v: [T, KVH, D]."""
+        return self.self_attn.project(self.input_layernorm(x), meta.cos, meta.sin)
+
+    def finish(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """o: [T, H * D] (attention output), x: [T, hidden] (the layer's input) -> the next layer's input."""
+        x = x + self.self_attn.o_proj(o)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward(self, x: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+        q, k, v = self.attn_inputs(x, meta)
+        return self.finish(self.self_attn.attend(q, k, v, meta), x)

@@ -28,8 +28,23 @@ from hotstart.boot.timeline import Timeline
 from hotstart.config import EngineConfig
 from hotstart.forkserver.client import EngineLauncher
 from hotstart.messages import (
-    RANK_LEFT, AbortRequest, EngineExited, EngineFailed, EngineReady, EngineRequest, EngineSpawned, EngineStats,
-    FastPathStatus, ForkserverExited, SamplingParams, ServerInfo, Shutdown, Span, StepOutputs, TokenOutput, encoder,
+    RANK_LEFT,
+    AbortRequest,
+    EngineExited,
+    EngineFailed,
+    EngineReady,
+    EngineRequest,
+    EngineSpawned,
+    EngineStats,
+    FastPathStatus,
+    ForkserverExited,
+    SamplingParams,
+    ServerInfo,
+    Shutdown,
+    Span,
+    StepOutputs,
+    TokenOutput,
+    encoder,
     from_engine_decoder,
 )
 

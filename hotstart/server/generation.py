@@ -226,7 +226,7 @@ async def unless_disconnected(receive: Callable[[], Any], run: Callable[[], Any]
         async def work() -> None:
             try:
                 outcome["value"] = await run()
-            except Exception as e:  # re-raised below, not wrapped in the task group's ExceptionGroup
+            except Exception as e:  # noqa: BLE001 - re-raised below, not wrapped in the task group's ExceptionGroup
                 outcome["error"] = e
             finally:
                 tg.cancel_scope.cancel()

@@ -24,8 +24,8 @@ import time
 
 from hotstart.boot.timeline import Timeline
 from hotstart.config import EngineConfig, ServeConfig
-from hotstart.forkserver.client import EngineLauncher
 from hotstart.errors import HotstartError
+from hotstart.forkserver.client import EngineLauncher
 
 log = logging.getLogger("hotstart")
 GRACEFUL_SHUTDOWN_S = 3

@@ -95,7 +95,7 @@ async def sse_events(gen: Generation, head: dict[str, Any], chat: bool, include_
                 yield calls_chunk(d.index, calls)
             if reason is not None:
                 yield chunk(d.index, None, "tool_calls" if n_calls[d.index] and reason == "stop" else reason)
-    except Exception as e:  # engine died / request failed: the status line is already sent
+    except Exception as e:  # noqa: BLE001 - engine died / request failed: the status line is already sent
         body = on_error(e) if on_error is not None else error_body(str(e), "server_error")
         yield sse(body)
         yield DONE

@@ -34,7 +34,7 @@ _REGEX_SPECIAL = set("\\.+*?()|[]{}^$#&-~/\"")
 
 
 def llguidance() -> Any:
-    import llguidance as llg
+    import llguidance as llg  # noqa: PLC0415 - loaded by the first constrained request
 
     return llg
 

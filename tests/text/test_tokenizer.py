@@ -19,7 +19,7 @@ from hotstart.text.tokenizer import (
     TokenizerError,
 )
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",

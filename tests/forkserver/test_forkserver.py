@@ -17,8 +17,21 @@ import zmq
 from hotstart.config import EngineConfig
 from hotstart.framing import FrameError, FrameReader, frame, send
 from hotstart.messages import (
-    EngineAddresses, EngineExited, EngineReady, EngineRequest, EngineSpawned, FromForkserver, SamplingParams,
-    ServerInfo, SpawnEngine, Span, StepOutputs, StopEngine, ToForkserver, encoder, from_engine_decoder,
+    EngineAddresses,
+    EngineExited,
+    EngineReady,
+    EngineRequest,
+    EngineSpawned,
+    FromForkserver,
+    SamplingParams,
+    ServerInfo,
+    Span,
+    SpawnEngine,
+    StepOutputs,
+    StopEngine,
+    ToForkserver,
+    encoder,
+    from_engine_decoder,
 )
 from hotstart.model.files import weight_files
 

@@ -9,10 +9,9 @@ import json
 
 import jsonschema
 import pytest
+from helpers.models import DATA, make_tiny
 from openai import OpenAI
 from pydantic import BaseModel, Field
-from test_grammar_engine import make_tiny
-from test_tools import DATA
 from util import Server, openai_client, serving
 
 pytestmark = pytest.mark.e2e

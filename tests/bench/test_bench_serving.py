@@ -15,7 +15,7 @@ from pathlib import Path
 
 from util import run_session
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 # Streams N content chunks (N = the request's max_tokens), 10 ms apart; listens only after a delay (argv 2)
 # so the over-time clients must retry; records every request body in $FAKE_BODIES. Extra argv ignored.

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_api import MODEL, FakeEngine, assert_error, chat_body, make_client, sse_events
+from helpers.api import MODEL, FakeEngine, assert_error, chat_body, make_client, sse_events
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}

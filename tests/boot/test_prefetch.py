@@ -16,11 +16,11 @@ import pytest
 from util import disk_backed_dir
 
 from hotstart.boot import storage
-from hotstart.model.cursor import LoadCursor
 from hotstart.boot.populate import METHODS
 from hotstart.boot.prefetch import Prefetcher
 from hotstart.boot.residency import PAGE_SIZE, evict, resident_bytes, resident_map
 from hotstart.boot.storage import MiB, PrefetchOverrides, PrefetchPlan, StorageInfo
+from hotstart.model.cursor import LoadCursor
 
 SIZE = 96 * MiB
 # This VM occasionally drops a few dozen clean page-cache pages with no reclaim counted in /proc/vmstat

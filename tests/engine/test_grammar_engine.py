@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers.models import make_tiny
 
 from hotstart.config import EngineConfig
 from hotstart.engine.core import EngineCore
@@ -27,24 +28,11 @@ PET = {"type": "object", "properties": {
     "required": ["name", "age", "kind"],
     # a random model takes every blank it may: a few per slot keep its answers within max_tokens
     "x-guidance": {"whitespace_pattern": "[ \n]{0,2}"}}
-EXTRA_IDS = 64
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, default_model_dir):
     return make_tiny(tmp_path_factory.mktemp("grammar") / "qwen2-tiny")
-
-
-def make_tiny(out, template=None):
-    """`hotstart make-model --family qwen2 --size tiny`: the default tokenizer (49152 ids) and logits 64
-    ids wider, which no grammar may ever allow; TEMPLATE replaces its chat template."""
-    cmd = [sys.executable, "-m", "hotstart", "make-model", "--family", "qwen2", "--size", "tiny", "--vocab",
-           str(49152 + EXTRA_IDS), "--dtype", "float32", "--out", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    if template is not None:
-        (out / "chat_template.jinja").write_text(template)
-    return out
 
 
 def build(model_dir, **kw) -> EngineCore:

@@ -12,8 +12,8 @@ import pytest
 
 from hotstart.boot.default_model import COMPLETE_MARKER, DEFAULT_MODEL_NAME
 from hotstart.boot.resolve import ResolvedModel, resolve_model
-from hotstart.model.files import sidecar_files, weight_files
 from hotstart.errors import HotstartError, ModelNotFoundError, WeightsError
+from hotstart.model.files import sidecar_files, weight_files
 
 REPO = "Qwen/Qwen2.5-0.5B"
 COMMIT = "a" * 40

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.e2e
 MODEL = "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 512
 MAX_REQUEST_BYTES = 256 * 1024  # small on purpose: --max-request-bytes is what limits, not the 1 MiB default
-CORPUS = json.loads((Path(__file__).parent / "data" / "bad_requests.json").read_text())
+CORPUS = json.loads((Path(__file__).resolve().parents[1] / "data" / "bad_requests.json").read_text())
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 

@@ -21,7 +21,7 @@ import psutil
 import pytest
 from util import run_session
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def bench(args: list[str], timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:

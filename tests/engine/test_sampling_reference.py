@@ -156,7 +156,7 @@ def test_penalties_and_biases_match_transformers_greedy(models, family):
     }
     reqs = {name: (ids, greedy(32, **kw)) for name, (kw, _) in cases.items()}
     together = run(core, reqs)  # all in one batch: each row gets only its own transforms
-    for name, (kw, procs) in cases.items():
+    for name, (_kw, procs) in cases.items():
         want = hf_greedy(ref, ids, 32, procs)
         assert want != plain, name  # the feature changes the output: the comparison means something
         assert together[(name, 0)]["ids"] == want, name

@@ -15,7 +15,7 @@ from hotstart.bench import make_model as mm
 from hotstart.config import load_model_config
 from hotstart.errors import HotstartError
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def make(out: Path, *args: str) -> subprocess.CompletedProcess:

@@ -18,7 +18,7 @@ import httpx
 import psutil
 import pytest
 import torch
-from test_startup_faults import assert_fails_with, hotstart
+from helpers.cli import assert_fails_with, hotstart
 from tp_ranks import prefill_and_decode, runner_for
 from util import Server
 
@@ -32,7 +32,7 @@ from hotstart.model.files import weight_files
 from hotstart.model.loader import load_model
 from hotstart.model.parallel import TensorParallel
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 FAMILIES = ["qwen2-tp", "qwen3-tp", "llama-tp"]
 LOGIT_ATOL = 1e-4
 SERVE = ("--device", "cpu", "--dtype", "float32", "--compile", "off", "--max-num-seqs", "4")

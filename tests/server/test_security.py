@@ -26,7 +26,7 @@ from hotstart.boot.default_model import default_model_dir as served_model_folder
 MODEL = "SmolLM2-135M-Instruct"
 KEY = "sk-hotstart-Q7Zr4kP2vX9mTn8W"
 PROMPT = "Describe the purple giraffe named Zorblaxian-4417 in one word."
-PACKAGE = Path(__file__).resolve().parent.parent / "hotstart"
+PACKAGE = Path(__file__).resolve().parents[2] / "hotstart"
 HOSTILE_MODELS = ["../../etc/passwd", "/etc/passwd", "~", "~root/.ssh/id_rsa", "..", ".",
                   str(served_model_folder()),  # the served model's own folder
                   f"{MODEL}/../{MODEL}", f"./{MODEL}", f"{MODEL}/", "file:///etc/passwd",

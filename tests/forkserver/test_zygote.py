@@ -28,11 +28,18 @@ from util import Server
 from hotstart.forkserver import keep as keeping
 from hotstart.forkserver.control import query
 from hotstart.forkserver.runtime import (
-    Identity, Paths, check_private_dir, connect, mismatch, paths, peer_problem, probe,
+    Identity,
+    Paths,
+    check_private_dir,
+    connect,
+    mismatch,
+    paths,
+    peer_problem,
+    probe,
 )
 from hotstart.messages import ServerInfo, Span
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # The fast path's compile worker behind READY is another engineer's subject: off, so these servers do
 # only what the zygote changes (and on two cores a compile beside them would slow every request).
 ARGS = ("--max-model-len", "512", "--compile", "off")

@@ -208,7 +208,7 @@ def test_timeline_without_matplotlib(tmp_path):
     code = ("import sys; sys.modules['matplotlib'] = None; from hotstart.cli import main; "
             f"sys.exit(main(['timeline', {str(trace)!r}, '-o', {str(tmp_path / 'x.png')!r}]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                         cwd=Path(__file__).resolve().parent.parent)
+                         cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 2, out.stderr
     assert out.stderr == "hotstart: error: drawing a timeline needs matplotlib (pip install matplotlib)\n"
     assert out.stdout == "" and not (tmp_path / "x.png").exists()

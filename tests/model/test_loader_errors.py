@@ -10,13 +10,12 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from util import no_torch_in
 
-from hotstart.model.files import weight_files
 from hotstart.config import load_model_config
 from hotstart.errors import HotstartError
+from hotstart.model.files import weight_files
 from hotstart.model.loader import load_model
-
-from util import no_torch_in
 
 
 def _load(model_dir):

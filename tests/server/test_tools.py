@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 import random
 import shutil
-from pathlib import Path
 
 import pytest
+from helpers.models import DATA
 
 from hotstart.server.errors import ApiError
 from hotstart.server.tools import (
@@ -25,7 +25,6 @@ from hotstart.server.tools import (
     tool_grammar,
 )
 
-DATA = Path(__file__).parent / "data"
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
     "required": ["city"]}}}
