@@ -35,7 +35,7 @@ from hotstart.model.arrival import COMPLETE, DOWNLOADING, HEARTBEAT, PID, SIZE, 
 CHUNK_BYTES = int(float(os.environ.get("HOTSTART_S3_CHUNK_MB", "16")) * (1 << 20))
 THREADS = int(os.environ.get("HOTSTART_S3_THREADS", "8"))
 SHORT_READ_RETRIES = 3
-CHECKPOINT_S = 5.0
+CHECKPOINT_S = float(os.environ.get("HOTSTART_S3_CHECKPOINT_S", "5"))  # how often written chunks are made durable
 TICK_S = 0.5
 PROGRESS_EVERY_S = 1.0
 

@@ -87,7 +87,7 @@ def weight_order(spec: RemoteSpec, tensors: list[RemoteObject], index_text: str 
         return [by_name[n] for n in names]
     if "model.safetensors" in by_name:
         return [by_name["model.safetensors"]]
-    return tensors
+    return sorted(tensors, key=lambda o: o.name)
 
 
 def header_size_check(spec: RemoteSpec, obj: RemoteObject, head: bytes) -> int | None:

@@ -44,15 +44,15 @@ class StoreError(HotstartError):
         self.status, self.code = status, code
 
 
-def _profile(name: str) -> dict[str, str]:
+def _profile(name: str, env) -> dict[str, str]:
     """The profile NAME's settings from the shared credentials and config files (later wins)."""
     import configparser
 
     out: dict[str, str] = {}
     home = os.path.expanduser("~")
-    files = ((os.environ.get("AWS_CONFIG_FILE") or os.path.join(home, ".aws", "config"),
+    files = ((env.get("AWS_CONFIG_FILE") or os.path.join(home, ".aws", "config"),
               "default" if name == "default" else f"profile {name}"),
-             (os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or os.path.join(home, ".aws", "credentials"),
+             (env.get("AWS_SHARED_CREDENTIALS_FILE") or os.path.join(home, ".aws", "credentials"),
               name))
     for path, section in files:
         if not os.path.isfile(path):
@@ -73,7 +73,7 @@ def store_settings(environ: dict[str, str] | None = None) -> tuple[dict, str, st
     profile_name = env.get("AWS_PROFILE") or env.get("AWS_DEFAULT_PROFILE") or "default"
     keys = env.get("AWS_ACCESS_KEY_ID"), env.get("AWS_SECRET_ACCESS_KEY")
     profile = {} if all(keys) and (env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")) \
-        else _profile(profile_name)
+        else _profile(profile_name, env)
     config: dict = {}
     endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or profile.get("endpoint_url")
     if endpoint:
