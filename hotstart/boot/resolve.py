@@ -80,8 +80,11 @@ def resolve_model(spec: str | None, revision: str | None = None,
 def _resolve_remote(spec: str, revision: str | None) -> ResolvedModel:
     """s3://BUCKET/PREFIX or NAME=s3://...: listed, its sidecars fetched, its weights downloading."""
     from hotstart.boot.remote import is_remote  # noqa: PLC0415 - string parsing only
-    from hotstart.boot.remote.session import open_remote  # noqa: PLC0415 - imports obstore: s3:// only
 
+    try:
+        from hotstart.boot.remote.session import open_remote  # noqa: PLC0415 - imports obstore: s3:// only
+    except ImportError as e:
+        raise HotstartError(f"s3:// models need obstore ({e.name} is missing): pip install obstore") from None
     if not is_remote(spec):
         raise ModelNotFoundError(f"model '{spec}': not a folder, hub id or s3://BUCKET/PREFIX")
     if revision is not None:
