@@ -44,8 +44,12 @@ def _free_port() -> int:
 def _start_moto() -> tuple[subprocess.Popen, str]:
     port = _free_port()
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     except OSError as e:
         raise HotstartError(f"cannot start moto: {e}") from None
     deadline = time.monotonic() + 60
@@ -56,20 +60,30 @@ def _start_moto() -> tuple[subprocess.Popen, str]:
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
-                raise HotstartError("moto did not start (pip install 'moto[server]', or give --endpoint)") from None
+                raise HotstartError(
+                    "moto did not start (pip install 'moto[server]', or give --endpoint)"
+                ) from None
             time.sleep(0.1)
 
 
 def _upload(env: dict, bucket: str, prefix: str, folder: Path, names: list[str]) -> None:
     import boto3
 
-    s3 = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name=env["AWS_REGION"],
-                      aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"])
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=env["AWS_ENDPOINT_URL"],
+        region_name=env["AWS_REGION"],
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+    )
     try:
         s3.create_bucket(Bucket=bucket)
     except (s3.exceptions.BucketAlreadyOwnedByYou, s3.exceptions.BucketAlreadyExists):
         pass
-    there = {o["Key"]: o["Size"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix + "/").get("Contents", [])}
+    there = {
+        o["Key"]: o["Size"]
+        for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix + "/").get("Contents", [])
+    }
     for name in names:
         path = folder / name
         if there.get(f"{prefix}/{name}") != path.stat().st_size:
@@ -77,8 +91,17 @@ def _upload(env: dict, bucket: str, prefix: str, folder: Path, names: list[str])
 
 
 class Bench:
-    def __init__(self, args: argparse.Namespace, env: dict, url: str, folder: Path, weights: list[str], out: Path):
-        self.args, self.env, self.url, self.folder, self.weights, self.out = args, env, url, folder, weights, out
+    def __init__(
+        self, args: argparse.Namespace, env: dict, url: str, folder: Path, weights: list[str], out: Path
+    ):
+        self.args, self.env, self.url, self.folder, self.weights, self.out = (
+            args,
+            env,
+            url,
+            folder,
+            weights,
+            out,
+        )
         self.runs: list[dict] = []
         self.extra = shlex.split(args.hotstart_args or "")
         self.tmp = Path(tempfile.mkdtemp(prefix="hotstart-bench-remote-"))
@@ -108,15 +131,23 @@ class Bench:
                 rec["seconds"], body = self.serve(self.url, home, f"s3-cold-{rnd}")
                 d = body.get("download") or {}
                 ends = {p["name"]: p["end_s"] for p in body.get("phases", [])}
-                rec.update(download=d, t_downloaded=ends.get("weights downloaded"),
-                           t_weights_loaded=ends.get("weights loaded"), t_ready=ends.get("engine ready"))
+                rec.update(
+                    download=d,
+                    t_downloaded=ends.get("weights downloaded"),
+                    t_weights_loaded=ends.get("weights loaded"),
+                    t_ready=ends.get("engine ready"),
+                )
             elif config == "serial":
                 folder = self.tmp / f"serial-{rnd}"
                 shutil.rmtree(folder, ignore_errors=True)
                 bucket, _, prefix = self.url.removeprefix("s3://").partition("/")
-                fetch = subprocess.run([sys.executable, "-m", "hotstart.bench.s3_fetch", bucket, prefix, str(folder)],
-                                       env={**os.environ, **self.env}, capture_output=True, text=True,
-                                       timeout=self.args.timeout)
+                fetch = subprocess.run(
+                    [sys.executable, "-m", "hotstart.bench.s3_fetch", bucket, prefix, str(folder)],
+                    env={**os.environ, **self.env},
+                    capture_output=True,
+                    text=True,
+                    timeout=self.args.timeout,
+                )
                 if fetch.returncode != 0:
                     raise RunFailed(f"boto3 download failed: {fetch.stderr.strip()[-300:]}")
                 got = json.loads(fetch.stdout.strip().splitlines()[-1])
@@ -124,10 +155,16 @@ class Bench:
                 rec.update(download_s=got["seconds"], serve_s=t, seconds=got["seconds"] + t)
                 shutil.rmtree(folder, ignore_errors=True)
             elif config == "runai":
-                env = {**os.environ, **self.env, "AWS_EC2_METADATA_DISABLED": "true",
-                       "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0"}
+                env = {
+                    **os.environ,
+                    **self.env,
+                    "AWS_EC2_METADATA_DISABLED": "true",
+                    "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0",
+                }
                 argv = [self.args.runai_python, str(RUNAI), *[f"{self.url}/{w}" for w in self.weights]]
-                done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=self.args.timeout)
+                done = subprocess.run(
+                    argv, env=env, capture_output=True, text=True, timeout=self.args.timeout
+                )
                 if done.returncode != 0:
                     raise RunFailed(f"runai streamer failed: {done.stderr.strip()[-300:]}")
                 got = json.loads(done.stdout.strip().splitlines()[-1])
@@ -161,19 +198,29 @@ def table(runs: list[dict], meta: dict) -> str:
     warm, local = _median(runs, "s3 warm"), _median(runs, "local warm")
     rows = [
         ("launch -> first correct answer, `serve s3://` (empty cache)", f(cold)),
-        ("serial: boto3 download, then `serve FOLDER`", f"{f(serial)} ({f(_median(runs, 'serial', 'download_s'))} + "
-                                                        f"{f(_median(runs, 'serial', 'serve_s'))})"),
+        (
+            "serial: boto3 download, then `serve FOLDER`",
+            f"{f(serial)} ({f(_median(runs, 'serial', 'download_s'))} + "
+            f"{f(_median(runs, 'serial', 'serve_s'))})",
+        ),
         ("ratio s3 / serial (goal <= 0.85)", f(cold / serial) if cold and serial else "-"),
-        ("hotstart: launch -> weights downloaded / loaded", f"{f(downloaded)} / "
-                                                            f"{f(_median(runs, 's3 cold', 't_weights_loaded'))}"),
+        (
+            "hotstart: launch -> weights downloaded / loaded",
+            f"{f(downloaded)} / {f(_median(runs, 's3 cold', 't_weights_loaded'))}",
+        ),
         ("Run:ai Model Streamer load (its import apart)", f(runai)),
-        ("ratio hotstart downloaded / Run:ai (goal <= 1.0)", f(downloaded / runai) if downloaded and runai else "-"),
+        (
+            "ratio hotstart downloaded / Run:ai (goal <= 1.0)",
+            f(downloaded / runai) if downloaded and runai else "-",
+        ),
         ("restart, warm cache: `serve s3://` / `serve FOLDER`", f"{f(warm)} / {f(local)}"),
         ("warm difference (goal <= 0.5 s)", f(warm - local) if warm and local else "-"),
         ("downloader CPU-seconds per GB", f(cpu)),
     ]
-    head = (f"model {meta['model']} ({gb:.2f} GB of weights), endpoint {meta['endpoint']}, "
-            f"medians of {meta['runs']} rounds\n\n| what | seconds |\n|---|---:|\n")
+    head = (
+        f"model {meta['model']} ({gb:.2f} GB of weights), endpoint {meta['endpoint']}, "
+        f"medians of {meta['runs']} rounds\n\n| what | seconds |\n|---|---:|\n"
+    )
     return head + "".join(f"| {a} | {b} |\n" for a, b in rows)
 
 
@@ -195,15 +242,26 @@ def run_remote_bench(args: argparse.Namespace) -> int:
             env[k] = os.environ.get(k, "")
     else:
         moto, url = _start_moto()
-        env = {"AWS_ENDPOINT_URL": url, "AWS_REGION": "us-east-1", "AWS_ACCESS_KEY_ID": "bench",
-               "AWS_SECRET_ACCESS_KEY": "bench"}
+        env = {
+            "AWS_ENDPOINT_URL": url,
+            "AWS_REGION": "us-east-1",
+            "AWS_ACCESS_KEY_ID": "bench",
+            "AWS_SECRET_ACCESS_KEY": "bench",
+        }
     prefix = (args.prefix or f"bench/{model.path.name}").strip("/")
-    meta = {"model": str(model.path), "endpoint": args.endpoint or "moto (started here)", "runs": args.runs,
-            "weights_bytes": sum((model.path / w).stat().st_size for w in weights),
-            "bucket": args.bucket, "prefix": prefix}
+    meta = {
+        "model": str(model.path),
+        "endpoint": args.endpoint or "moto (started here)",
+        "runs": args.runs,
+        "weights_bytes": sum((model.path / w).stat().st_size for w in weights),
+        "bucket": args.bucket,
+        "prefix": prefix,
+    }
     bench = Bench(args, env, f"s3://{args.bucket}/{prefix}", model.path, weights, out)
     try:
-        print(f"hotstart bench remote: uploading {model.path} to s3://{args.bucket}/{prefix}", file=sys.stderr)
+        print(
+            f"hotstart bench remote: uploading {model.path} to s3://{args.bucket}/{prefix}", file=sys.stderr
+        )
         _upload(env, args.bucket, prefix, model.path, names)
         for rnd in range(args.runs):
             home = bench.tmp / f"home-{rnd}"

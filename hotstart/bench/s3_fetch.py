@@ -21,7 +21,7 @@ def main() -> int:
     listed = s3.list_objects_v2(Bucket=bucket, Prefix=prefix + "/", Delimiter="/").get("Contents", [])
     total = 0
     for obj in listed:
-        name = obj["Key"][len(prefix) + 1:]
+        name = obj["Key"][len(prefix) + 1 :]
         s3.download_file(bucket, obj["Key"], os.path.join(out, name))
         total += obj["Size"]
     print(json.dumps({"seconds": time.perf_counter() - t, "bytes": total}))

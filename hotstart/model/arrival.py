@@ -89,7 +89,7 @@ class ArrivalState:
         head = bytearray(HEADER)
         head[:8] = MAGIC
         struct.pack_into("<qqqqqq", head, 8, size, chunk, 0, DOWNLOADING, time.time_ns(), os.getpid())
-        head[ETAG_AT:ETAG_AT + ETAG_LEN] = etag.encode()[:ETAG_LEN].ljust(ETAG_LEN, b"\0")
+        head[ETAG_AT : ETAG_AT + ETAG_LEN] = etag.encode()[:ETAG_LEN].ljust(ETAG_LEN, b"\0")
         tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
         with open(tmp, "wb") as f:
             f.write(bytes(head) + bytes(nchunks))
@@ -104,16 +104,16 @@ class ArrivalState:
 
     @property
     def etag(self) -> str:
-        return bytes(self._mm[ETAG_AT:ETAG_AT + ETAG_LEN]).rstrip(b"\0").decode(errors="replace")
+        return bytes(self._mm[ETAG_AT : ETAG_AT + ETAG_LEN]).rstrip(b"\0").decode(errors="replace")
 
     @property
     def error(self) -> str:
-        return bytes(self._mm[ERROR_AT:ERROR_AT + ERROR_LEN]).rstrip(b"\0").decode(errors="replace")
+        return bytes(self._mm[ERROR_AT : ERROR_AT + ERROR_LEN]).rstrip(b"\0").decode(errors="replace")
 
     def fail(self, message: str) -> None:
         """Record MESSAGE, then the failed state (in that order: a reader that sees FAILED has it)."""
-        raw = message.encode()[:ERROR_LEN - 1]
-        self._mm[ERROR_AT:ERROR_AT + ERROR_LEN] = raw.ljust(ERROR_LEN, b"\0")
+        raw = message.encode()[: ERROR_LEN - 1]
+        self._mm[ERROR_AT : ERROR_AT + ERROR_LEN] = raw.ljust(ERROR_LEN, b"\0")
         self.set(STATE, FAILED)
 
     def durable(self, i: int) -> bool:
@@ -149,8 +149,10 @@ def _wait(state: ArrivalState, final: Path, end: int, what: str) -> None:
             raise WeightsError(state.error or f"{final}: download failed")
         age = time.time() - state.get(HEARTBEAT) / 1e9
         if age > HEARTBEAT_STALE_S:
-            raise WeightsError(f"{final}: its download stopped {age:.0f} s ago (the downloading process "
-                               f"{state.get(PID)} is gone?) while waiting for {what}")
+            raise WeightsError(
+                f"{final}: its download stopped {age:.0f} s ago (the downloading process "
+                f"{state.get(PID)} is gone?) while waiting for {what}"
+            )
         time.sleep(poll)
         poll = min(POLL_MAX_S, poll * 2)
 

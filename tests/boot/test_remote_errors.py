@@ -25,8 +25,20 @@ def moto():
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny") / "m"
-    run = hotstart("make-model", "--family", "qwen2", "--size", "tiny", "--dtype", "float32", "--shard-size", "1MB",
-                   "--out", str(out), timeout=300)
+    run = hotstart(
+        "make-model",
+        "--family",
+        "qwen2",
+        "--size",
+        "tiny",
+        "--dtype",
+        "float32",
+        "--shard-size",
+        "1MB",
+        "--out",
+        str(out),
+        timeout=300,
+    )
     assert run.rc == 0, run.stderr
     return out
 
@@ -46,8 +58,14 @@ def durable_chunks(home: Path) -> dict[str, int]:
 
 
 def serve_fails(moto: Moto, home: Path, spec: str, *needles: str, env: dict | None = None) -> str:
-    run = hotstart("serve", "--port", "0", spec, env={**moto.env(), "HOTSTART_HOME": str(home), **(env or {})},
-                   timeout=240)
+    run = hotstart(
+        "serve",
+        "--port",
+        "0",
+        spec,
+        env={**moto.env(), "HOTSTART_HOME": str(home), **(env or {})},
+        timeout=240,
+    )
     line = assert_fails_with(run, *needles)
     assert "testing" not in run.stderr and moto.keys["AWS_SECRET_ACCESS_KEY"] not in run.stderr
     assert trusted(home) == [], trusted(home)
@@ -76,7 +94,9 @@ def test_denied_requests(moto, tiny, tmp_path):
     line = serve_fails(moto, home, "s3://models/guarded", "access denied", env=wrong)
     assert "wrong-secret" not in line
     # listing and sidecars allowed, the weights denied: the failure reaches the engine's wait and ends startup
-    line = serve_fails(moto, home, "s3://models/guarded", "access denied", "safetensors", env=moto.users["nodata"])
+    line = serve_fails(
+        moto, home, "s3://models/guarded", "access denied", "safetensors", env=moto.users["nodata"]
+    )
     assert moto.users["nodata"]["AWS_SECRET_ACCESS_KEY"] not in line
 
 
@@ -101,8 +121,14 @@ def test_objects_that_disagree_with_their_headers_or_index(moto, tiny, tmp_path)
 
 def test_unreachable_store_without_a_cached_copy(moto, tmp_path):
     home = tmp_path / "home"
-    serve_fails(moto, home, "s3://models/tiny", "cannot reach the store", "no complete copy",
-                env={"AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"})
+    serve_fails(
+        moto,
+        home,
+        "s3://models/tiny",
+        "cannot reach the store",
+        "no complete copy",
+        env={"AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"},
+    )
 
 
 def test_object_replaced_during_the_download(moto, tiny, tmp_path):
@@ -110,8 +136,12 @@ def test_object_replaced_during_the_download(moto, tiny, tmp_path):
     proxy = FaultProxy(moto.port)
     proxy.delay_s = 0.2
     home = tmp_path / "home"
-    env = {**moto.env(proxy.url), "HOTSTART_HOME": str(home), "HOTSTART_S3_CHUNK_MB": "0.25",
-           "HOTSTART_S3_THREADS": "2"}
+    env = {
+        **moto.env(proxy.url),
+        "HOTSTART_HOME": str(home),
+        "HOTSTART_S3_CHUNK_MB": "0.25",
+        "HOTSTART_S3_THREADS": "2",
+    }
     try:
         pending = Pending("serve", "--port", "0", "s3://models/moving", env=env)
         deadline = time.monotonic() + 120
@@ -120,8 +150,13 @@ def test_object_replaced_during_the_download(moto, tiny, tmp_path):
             time.sleep(0.05)
         s3 = moto.client()
         name = "model-00001-of-00003.safetensors"
-        s3.upload_file(str(tiny / name), "models", f"moving/{name}",  # same bytes, a new upload: a new ETag
-                       ExtraArgs={"Metadata": {"v": "2"}}, Config=_single_part())
+        s3.upload_file(
+            str(tiny / name),
+            "models",
+            f"moving/{name}",  # same bytes, a new upload: a new ETag
+            ExtraArgs={"Metadata": {"v": "2"}},
+            Config=_single_part(),
+        )
         run = pending.finish(240)
     finally:
         proxy.stop()

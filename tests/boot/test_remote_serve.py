@@ -32,9 +32,27 @@ def moto():
 def tiny(tmp_path_factory) -> Path:
     """A 27 MB float32 qwen2-shaped checkpoint in 3 shards with the default model's tokenizer."""
     out = tmp_path_factory.mktemp("tiny") / "m"
-    done = subprocess.run([sys.executable, "-m", "hotstart", "make-model", "--family", "qwen2", "--size", "tiny",
-                           "--dtype", "float32", "--shard-size", "1MB", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hotstart",
+            "make-model",
+            "--family",
+            "qwen2",
+            "--size",
+            "tiny",
+            "--dtype",
+            "float32",
+            "--shard-size",
+            "1MB",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     return out
 
@@ -50,8 +68,9 @@ def phases(server: Server) -> list[str]:
 
 def greedy(server: Server, model: str) -> tuple[str, list]:
     c = openai_client(server)
-    r = c.completions.create(model=model, prompt="The capital of France is", max_tokens=12, temperature=0,
-                             logprobs=1)
+    r = c.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=12, temperature=0, logprobs=1
+    )
     return r.choices[0].text, r.choices[0].logprobs.tokens
 
 
@@ -63,18 +82,30 @@ def test_default_model_from_s3_then_warm_then_offline(moto, default_model_dir, t
     env = {**moto.env(proxy.url), "HOTSTART_HOME": str(home), "HOTSTART_AUDIT_IMPORTS": str(audit)}
     s = Server("s3://models/smol", env=env, ready_timeout=300)
     try:
-        answer = openai_client(s).chat.completions.create(model="smol", messages=CHAT, max_tokens=12,
-                                                          temperature=0).choices[0].message.content
+        answer = (
+            openai_client(s)
+            .chat.completions.create(model="smol", messages=CHAT, max_tokens=12, temperature=0)
+            .choices[0]
+            .message.content
+        )
         body = startup(s)
     finally:
         s.stop()
     assert "Paris" in answer
     d = body["download"]
     size = (default_model_dir / "model.safetensors").stat().st_size
-    assert (d["state"], d["source"], d["bytes_total"], d["bytes_done"], d["error"]) == ("done", "s3", size, size, None)
+    assert (d["state"], d["source"], d["bytes_total"], d["bytes_done"], d["error"]) == (
+        "done",
+        "s3",
+        size,
+        size,
+        None,
+    )
     assert d["cpu_s"] > 0 and d["rate_mbps"] > 0
     names = [p["name"] for p in body["phases"]]
-    assert {"s3 listed", "sidecars downloaded", "downloaded model.safetensors", "weights downloaded"} <= set(names)
+    assert {"s3 listed", "sidecars downloaded", "downloaded model.safetensors", "weights downloaded"} <= set(
+        names
+    )
     assert "% (" in s.output and "MB/s" in s.output  # the terminal progress line
     assert "testing" not in s.output  # the credentials are never printed
     seen = json.loads(audit.read_text())  # the API process: no torch, and its threads imported nothing
@@ -84,8 +115,12 @@ def test_default_model_from_s3_then_warm_then_offline(moto, default_model_dir, t
     assert (cached / ".hotstart-s3.json").is_file() and not list(cached.glob("*.partial"))
     warm = Server("s3://models/smol", env=env, ready_timeout=300)
     try:
-        again = openai_client(warm).chat.completions.create(model="smol", messages=CHAT, max_tokens=12,
-                                                            temperature=0).choices[0].message.content
+        again = (
+            openai_client(warm)
+            .chat.completions.create(model="smol", messages=CHAT, max_tokens=12, temperature=0)
+            .choices[0]
+            .message.content
+        )
         wbody = startup(warm)
     finally:
         warm.stop()
@@ -97,8 +132,12 @@ def test_default_model_from_s3_then_warm_then_offline(moto, default_model_dir, t
     proxy.stop()  # nothing listens at the endpoint any more
     offline = Server("s3://models/smol", env=env, ready_timeout=300)
     try:
-        third = openai_client(offline).chat.completions.create(model="smol", messages=CHAT, max_tokens=12,
-                                                               temperature=0).choices[0].message.content
+        third = (
+            openai_client(offline)
+            .chat.completions.create(model="smol", messages=CHAT, max_tokens=12, temperature=0)
+            .choices[0]
+            .message.content
+        )
         obody = startup(offline)
     finally:
         offline.stop()
@@ -108,8 +147,12 @@ def test_default_model_from_s3_then_warm_then_offline(moto, default_model_dir, t
 
 def test_sharded_named_model_answers_as_its_local_folder(moto, tiny, tmp_path):
     moto.upload("models", "tiny", tiny)
-    env = {**moto.env(), "HOTSTART_HOME": str(tmp_path / "home"), "HOTSTART_S3_CHUNK_MB": "0.25",
-           "HOTSTART_S3_THREADS": "3"}
+    env = {
+        **moto.env(),
+        "HOTSTART_HOME": str(tmp_path / "home"),
+        "HOTSTART_S3_CHUNK_MB": "0.25",
+        "HOTSTART_S3_THREADS": "3",
+    }
     s = Server("chat-tiny=s3://models/tiny", env=env, ready_timeout=300)
     try:
         models = [m.id for m in openai_client(s).models.list().data]
@@ -133,8 +176,13 @@ def test_interrupted_download_resumes(moto, tiny, tmp_path):
     proxy = FaultProxy(moto.port)
     proxy.delay_s = 0.15  # slow enough to be interrupted half-way
     home = tmp_path / "home"
-    env = {**moto.env(proxy.url), "HOTSTART_HOME": str(home), "HOTSTART_S3_CHUNK_MB": "0.5",
-           "HOTSTART_S3_THREADS": "2", "HOTSTART_S3_CHECKPOINT_S": "0.2"}
+    env = {
+        **moto.env(proxy.url),
+        "HOTSTART_HOME": str(home),
+        "HOTSTART_S3_CHUNK_MB": "0.5",
+        "HOTSTART_S3_THREADS": "2",
+        "HOTSTART_S3_CHECKPOINT_S": "0.2",
+    }
     try:  # (the same endpoint both times: the cache is keyed by endpoint, bucket and prefix)
         s = Server("s3://models/resume", env=env, ready_timeout=300, wait_ready=False)
         deadline = time.monotonic() + 120

@@ -21,12 +21,15 @@ from hotstart.model.arrival import COMPLETE, HEARTBEAT, STATE, WATERMARK, Arriva
 from hotstart.model.files import weight_files
 
 
-@pytest.mark.parametrize("spec, bucket, prefix, name", [
-    ("s3://models/smol", "models", "smol", "smol"),
-    ("s3://models/org/smol/", "models", "org/smol", "smol"),
-    ("s3://my.bucket-1", "my.bucket-1", "", "my.bucket-1"),
-    ("chat=s3://models/a/b", "models", "a/b", "chat"),
-])
+@pytest.mark.parametrize(
+    "spec, bucket, prefix, name",
+    [
+        ("s3://models/smol", "models", "smol", "smol"),
+        ("s3://models/org/smol/", "models", "org/smol", "smol"),
+        ("s3://my.bucket-1", "my.bucket-1", "", "my.bucket-1"),
+        ("chat=s3://models/a/b", "models", "a/b", "chat"),
+    ],
+)
 def test_parse_remote(spec, bucket, prefix, name):
     assert is_remote(spec)
     r = parse_remote(spec)
@@ -34,14 +37,17 @@ def test_parse_remote(spec, bucket, prefix, name):
     assert r.key("config.json") == (f"{prefix}/config.json" if prefix else "config.json")
 
 
-@pytest.mark.parametrize("spec, needle", [
-    ("s3://Bad_Bucket/x", "not a valid S3 bucket"),
-    ("s3://ab/x", "not a valid S3 bucket"),
-    ("s3://models/a/../b", "invalid prefix"),
-    ("s3://models/a//b", "invalid prefix"),
-    ("s3://models/a?b", "invalid prefix"),
-    ("=s3://models/a", "not a valid model name"),
-])
+@pytest.mark.parametrize(
+    "spec, needle",
+    [
+        ("s3://Bad_Bucket/x", "not a valid S3 bucket"),
+        ("s3://ab/x", "not a valid S3 bucket"),
+        ("s3://models/a/../b", "invalid prefix"),
+        ("s3://models/a//b", "invalid prefix"),
+        ("s3://models/a?b", "invalid prefix"),
+        ("=s3://models/a", "not a valid model name"),
+    ],
+)
 def test_parse_remote_rejects(spec, needle):
     with pytest.raises(HotstartError, match=needle):
         parse_remote(spec)
@@ -54,24 +60,46 @@ def test_is_remote_leaves_other_specs_alone():
 
 def test_settings_precedence_and_profiles(tmp_path):
     creds = tmp_path / "credentials"
-    creds.write_text("[default]\naws_access_key_id = AKIDEFAULT\naws_secret_access_key = s1\n"
-                     "[other]\naws_access_key_id = AKIOTHER\naws_secret_access_key = s2\naws_session_token = tk\n")
+    creds.write_text(
+        "[default]\naws_access_key_id = AKIDEFAULT\naws_secret_access_key = s1\n"
+        "[other]\naws_access_key_id = AKIOTHER\naws_secret_access_key = s2\naws_session_token = tk\n"
+    )
     conf = tmp_path / "config"
     conf.write_text("[profile other]\nregion = eu-west-3\nendpoint_url = http://127.0.0.1:9\n")
     files = {"AWS_SHARED_CREDENTIALS_FILE": str(creds), "AWS_CONFIG_FILE": str(conf)}
 
-    config, shown, how = store_settings({**files, "AWS_ACCESS_KEY_ID": "AKIENV", "AWS_SECRET_ACCESS_KEY": "e",
-                                         "AWS_ENDPOINT_URL": "http://a:1", "AWS_ENDPOINT_URL_S3": "http://s3:2/"})
-    assert (config["access_key_id"], config["endpoint"], shown, how) == ("AKIENV", "http://s3:2", "http://s3:2",
-                                                                         "environment")
+    config, shown, how = store_settings(
+        {
+            **files,
+            "AWS_ACCESS_KEY_ID": "AKIENV",
+            "AWS_SECRET_ACCESS_KEY": "e",
+            "AWS_ENDPOINT_URL": "http://a:1",
+            "AWS_ENDPOINT_URL_S3": "http://s3:2/",
+        }
+    )
+    assert (config["access_key_id"], config["endpoint"], shown, how) == (
+        "AKIENV",
+        "http://s3:2",
+        "http://s3:2",
+        "environment",
+    )
     config, shown, how = store_settings({**files, "AWS_PROFILE": "other"})
-    assert (config["access_key_id"], config["session_token"], config["region"], config["endpoint"]) == \
-        ("AKIOTHER", "tk", "eu-west-3", "http://127.0.0.1:9")
+    assert (config["access_key_id"], config["session_token"], config["region"], config["endpoint"]) == (
+        "AKIOTHER",
+        "tk",
+        "eu-west-3",
+        "http://127.0.0.1:9",
+    )
     assert how == "profile other"
     config, shown, how = store_settings({**files, "AWS_REGION": "ap-south-1"})
-    assert (config["access_key_id"], config["region"], shown) == ("AKIDEFAULT", "ap-south-1", "AWS S3 (ap-south-1)")
-    config, _, how = store_settings({"AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
-                                     "AWS_CONFIG_FILE": str(tmp_path / "none")})
+    assert (config["access_key_id"], config["region"], shown) == (
+        "AKIDEFAULT",
+        "ap-south-1",
+        "AWS S3 (ap-south-1)",
+    )
+    config, _, how = store_settings(
+        {"AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"), "AWS_CONFIG_FILE": str(tmp_path / "none")}
+    )
     assert "access_key_id" not in config and how.startswith("default chain")
     for value in (shown, how):  # what messages show never carries a secret
         assert "s1" not in value and "s2" not in value and "AKI" not in value
@@ -83,15 +111,29 @@ def _objs(*names: str) -> list[RemoteObject]:
 
 def test_weight_order_follows_the_loader_rules(tiny_checkpoint):
     spec = parse_remote("s3://models/m")
-    index = json.dumps({"weight_map": {"a": "model-00002-of-00002.safetensors", "b": "model-00001-of-00002.safetensors",
-                                       "c": "model-00002-of-00002.safetensors"}})
-    tensors = _objs("model-00002-of-00002.safetensors", "consolidated.safetensors", "model-00001-of-00002.safetensors")
-    assert [o.name for o in weight_order(spec, tensors, index)] == ["model-00001-of-00002.safetensors",
-                                                                    "model-00002-of-00002.safetensors"]
-    assert [o.name for o in weight_order(spec, _objs("b.safetensors", "model.safetensors"), None)] == \
-        ["model.safetensors"]
-    assert [o.name for o in weight_order(spec, _objs("b.safetensors", "a.safetensors"), None)] == \
-        ["a.safetensors", "b.safetensors"]
+    index = json.dumps(
+        {
+            "weight_map": {
+                "a": "model-00002-of-00002.safetensors",
+                "b": "model-00001-of-00002.safetensors",
+                "c": "model-00002-of-00002.safetensors",
+            }
+        }
+    )
+    tensors = _objs(
+        "model-00002-of-00002.safetensors", "consolidated.safetensors", "model-00001-of-00002.safetensors"
+    )
+    assert [o.name for o in weight_order(spec, tensors, index)] == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ]
+    assert [o.name for o in weight_order(spec, _objs("b.safetensors", "model.safetensors"), None)] == [
+        "model.safetensors"
+    ]
+    assert [o.name for o in weight_order(spec, _objs("b.safetensors", "a.safetensors"), None)] == [
+        "a.safetensors",
+        "b.safetensors",
+    ]
     with pytest.raises(HotstartError, match="does not have"):
         weight_order(spec, _objs("model-00001-of-00002.safetensors"), index)
     # the same order as the loader's own rules on a real sharded checkpoint written by transformers
@@ -102,7 +144,9 @@ def test_weight_order_follows_the_loader_rules(tiny_checkpoint):
 
 
 def _safetensors_bytes(data_len: int) -> bytes:
-    header = json.dumps({"w": {"dtype": "F32", "shape": [data_len // 4], "data_offsets": [0, data_len]}}).encode()
+    header = json.dumps(
+        {"w": {"dtype": "F32", "shape": [data_len // 4], "data_offsets": [0, data_len]}}
+    ).encode()
     return struct.pack("<Q", len(header)) + header + bytes(data_len)
 
 
@@ -124,7 +168,13 @@ class _Writer:
     watermark), then fsyncs and renames; `fail_at` records a failure at that chunk instead."""
 
     def __init__(self, src: Path, dst: Path, chunk: int, pause: float, fail_at: int | None = None):
-        self.data, self.dst, self.chunk, self.pause, self.fail_at = src.read_bytes(), dst, chunk, pause, fail_at
+        self.data, self.dst, self.chunk, self.pause, self.fail_at = (
+            src.read_bytes(),
+            dst,
+            chunk,
+            pause,
+            fail_at,
+        )
         self.state = ArrivalState.create(arrival.arrival_path(dst), len(self.data), chunk, '"etag"')
         self.fd = os.open(arrival.partial_path(dst), os.O_RDWR | os.O_CREAT, 0o600)
         os.ftruncate(self.fd, len(self.data))
@@ -136,7 +186,7 @@ class _Writer:
             if i == self.fail_at:
                 self.state.fail("s3://models/m/x.safetensors: access denied (AccessDenied)")
                 return
-            os.pwrite(self.fd, self.data[off:off + self.chunk], off)
+            os.pwrite(self.fd, self.data[off : off + self.chunk], off)
             self.state.set(WATERMARK, min(len(self.data), off + self.chunk))
             self.state.beat()
         os.fsync(self.fd)
@@ -161,7 +211,9 @@ def test_loader_reads_a_file_while_it_arrives(tiny_checkpoint, tmp_path):
     cfg = load_model_config(dst)
     arrived = load_model(cfg, [dst / "model.safetensors"], dtype=torch.float32)
     writer.thread.join(30)
-    assert (dst / "model.safetensors").is_file() and not arrival.partial_path(dst / "model.safetensors").exists()
+    assert (dst / "model.safetensors").is_file() and not arrival.partial_path(
+        dst / "model.safetensors"
+    ).exists()
     plain = load_model(cfg, [src / "model.safetensors"], dtype=torch.float32)
     ref = dict(plain.named_parameters())
     for name, p in arrived.named_parameters():
@@ -171,7 +223,9 @@ def test_loader_reads_a_file_while_it_arrives(tiny_checkpoint, tmp_path):
 def test_arrival_failure_and_a_dead_writer_end_the_wait(tmp_path, monkeypatch):
     blob = _safetensors_bytes(1 << 20)
     (tmp_path / "src.safetensors").write_bytes(blob)
-    writer = _Writer(tmp_path / "src.safetensors", tmp_path / "x.safetensors", chunk=128 << 10, pause=0.01, fail_at=3)
+    writer = _Writer(
+        tmp_path / "src.safetensors", tmp_path / "x.safetensors", chunk=128 << 10, pause=0.01, fail_at=3
+    )
     writer.thread.start()
     f, wait = open_arrived(tmp_path / "x.safetensors", lambda p: open(p, "rb"))
     try:
@@ -181,7 +235,7 @@ def test_arrival_failure_and_a_dead_writer_end_the_wait(tmp_path, monkeypatch):
         f.close()
     dead = _Writer(tmp_path / "src.safetensors", tmp_path / "y.safetensors", chunk=128 << 10, pause=0.0)
     dead.state.set(WATERMARK, 128 << 10)  # header in, then the writer goes silent
-    os.pwrite(dead.fd, blob[:128 << 10], 0)
+    os.pwrite(dead.fd, blob[: 128 << 10], 0)
     dead.state.set(HEARTBEAT, time.time_ns() - int(60e9))
     monkeypatch.setattr(arrival, "HEARTBEAT_STALE_S", 1.0)
     f, wait = open_arrived(tmp_path / "y.safetensors", lambda p: open(p, "rb"))

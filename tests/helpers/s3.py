@@ -33,9 +33,13 @@ class Moto:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, **({"INITIAL_NO_AUTH_ACTION_COUNT": str(self.AUTH_FREE)} if auth else {})}
-        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -50,24 +54,45 @@ class Moto:
         self.users: dict[str, dict] = {}
         if auth:  # the AUTH_FREE unauthenticated requests: two users, their keys and policies
             iam = self.client("iam")
-            for user, policy in (("uploader", [{"Effect": "Allow", "Action": "*", "Resource": "*"}]),
-                                 ("nodata", [{"Effect": "Allow", "Action": "*", "Resource": "*"},
-                                             {"Effect": "Deny", "Action": "s3:GetObject",
-                                              "Resource": "arn:aws:s3:::*/*.safetensors"}])):
+            for user, policy in (
+                ("uploader", [{"Effect": "Allow", "Action": "*", "Resource": "*"}]),
+                (
+                    "nodata",
+                    [
+                        {"Effect": "Allow", "Action": "*", "Resource": "*"},
+                        {
+                            "Effect": "Deny",
+                            "Action": "s3:GetObject",
+                            "Resource": "arn:aws:s3:::*/*.safetensors",
+                        },
+                    ],
+                ),
+            ):
                 iam.create_user(UserName=user)
                 k = iam.create_access_key(UserName=user)["AccessKey"]
-                iam.put_user_policy(UserName=user, PolicyName="p", PolicyDocument=json.dumps(
-                    {"Version": "2012-10-17", "Statement": policy}))
-                self.users[user] = {**KEY, "AWS_ACCESS_KEY_ID": k["AccessKeyId"],
-                                    "AWS_SECRET_ACCESS_KEY": k["SecretAccessKey"]}
+                iam.put_user_policy(
+                    UserName=user,
+                    PolicyName="p",
+                    PolicyDocument=json.dumps({"Version": "2012-10-17", "Statement": policy}),
+                )
+                self.users[user] = {
+                    **KEY,
+                    "AWS_ACCESS_KEY_ID": k["AccessKeyId"],
+                    "AWS_SECRET_ACCESS_KEY": k["SecretAccessKey"],
+                }
             self.keys = self.users["uploader"]
 
     def client(self, service: str = "s3", keys: dict | None = None):
         import boto3
 
         k = keys or self.keys
-        return boto3.client(service, endpoint_url=self.url, aws_access_key_id=k["AWS_ACCESS_KEY_ID"],
-                            aws_secret_access_key=k["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1")
+        return boto3.client(
+            service,
+            endpoint_url=self.url,
+            aws_access_key_id=k["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=k["AWS_SECRET_ACCESS_KEY"],
+            region_name="us-east-1",
+        )
 
     def env(self, url: str | None = None, keys: dict | None = None) -> dict[str, str]:
         """What a hotstart process needs to reach this endpoint (or URL, e.g. a proxy in front)."""
@@ -80,8 +105,11 @@ class Moto:
             s3.create_bucket(Bucket=bucket)
         except s3.exceptions.BucketAlreadyOwnedByYou:
             pass
-        names = sorted(p.name for p in Path(folder).iterdir() if p.is_file() and p.name not in skip
-                       and not p.name.startswith("."))
+        names = sorted(
+            p.name
+            for p in Path(folder).iterdir()
+            if p.is_file() and p.name not in skip and not p.name.startswith(".")
+        )
         for name in names:
             s3.upload_file(str(Path(folder) / name), bucket, f"{prefix}/{name}")
         return names

@@ -35,7 +35,9 @@ from hotstart.model.arrival import COMPLETE, DOWNLOADING, HEARTBEAT, PID, SIZE, 
 CHUNK_BYTES = int(float(os.environ.get("HOTSTART_S3_CHUNK_MB", "16")) * (1 << 20))
 THREADS = int(os.environ.get("HOTSTART_S3_THREADS", "8"))
 SHORT_READ_RETRIES = 3
-CHECKPOINT_S = float(os.environ.get("HOTSTART_S3_CHECKPOINT_S", "5"))  # how often written chunks are made durable
+CHECKPOINT_S = float(
+    os.environ.get("HOTSTART_S3_CHECKPOINT_S", "5")
+)  # how often written chunks are made durable
 TICK_S = 0.5
 PROGRESS_EVERY_S = 1.0
 
@@ -86,8 +88,15 @@ def prepare(snap: Path, obj: RemoteObject) -> _File:
 class Downloader:
     """Downloads FILES (prepared) with THREADS threads; see the module docstring."""
 
-    def __init__(self, store, spec: RemoteSpec, endpoint: str, files: list[_File],
-                 on_done: Callable[[], None], threads: int = THREADS):
+    def __init__(
+        self,
+        store,
+        spec: RemoteSpec,
+        endpoint: str,
+        files: list[_File],
+        on_done: Callable[[], None],
+        threads: int = THREADS,
+    ):
         self.store, self.spec, self.endpoint = store, spec, endpoint
         self.files = files
         self.on_done = on_done  # called once every file is in place (writes the manifest)
@@ -136,14 +145,23 @@ class Downloader:
             done = self.resumed + self.written
             rate = self.written / elapsed if elapsed > 0 else 0.0
             left = self.total - done
-            return {"state": self.state, "url": self.spec.url, "endpoint": self.endpoint,
-                    "bytes_total": self.total, "bytes_done": done, "bytes_resumed": self.resumed,
-                    "files_total": len(self.files), "files_done": sum(f.left == 0 for f in self.files),
-                    "elapsed_s": round(elapsed, 3), "rate_mbps": round(rate / 1e6, 1),
-                    "eta_s": round(left / rate, 1) if rate > 0 and left > 0 else (0.0 if left <= 0 else None),
-                    "threads": self._threads_n, "chunk_bytes": CHUNK_BYTES,
-                    "cpu_s": round(self.cpu_seconds(), 3),
-                    "error": self.error}
+            return {
+                "state": self.state,
+                "url": self.spec.url,
+                "endpoint": self.endpoint,
+                "bytes_total": self.total,
+                "bytes_done": done,
+                "bytes_resumed": self.resumed,
+                "files_total": len(self.files),
+                "files_done": sum(f.left == 0 for f in self.files),
+                "elapsed_s": round(elapsed, 3),
+                "rate_mbps": round(rate / 1e6, 1),
+                "eta_s": round(left / rate, 1) if rate > 0 and left > 0 else (0.0 if left <= 0 else None),
+                "threads": self._threads_n,
+                "chunk_bytes": CHUNK_BYTES,
+                "cpu_s": round(self.cpu_seconds(), 3),
+                "error": self.error,
+            }
 
     def cpu_seconds(self) -> float:
         """CPU time of the download threads and of obstore's runtime threads (Linux /proc)."""
@@ -185,9 +203,11 @@ class Downloader:
             if len(buf) == end - start:
                 return buf
             if attempt == SHORT_READ_RETRIES:
-                raise HotstartError(f"{self.spec.url}/{f.obj.name}: bytes {start}-{end - 1} came back as "
-                                    f"{len(buf)} bytes {SHORT_READ_RETRIES + 1} times (a truncated object?)")
-            time.sleep(0.1 * 2 ** attempt)
+                raise HotstartError(
+                    f"{self.spec.url}/{f.obj.name}: bytes {start}-{end - 1} came back as "
+                    f"{len(buf)} bytes {SHORT_READ_RETRIES + 1} times (a truncated object?)"
+                )
+            time.sleep(0.1 * 2**attempt)
         raise AssertionError("unreachable")
 
     def _chunk(self, fi: int, ci: int) -> None:
@@ -229,8 +249,12 @@ class Downloader:
             pass
         f.t_end = time.time()
         took = f.t_end - (f.t_start or f.t_end)
-        self._span(f"downloaded {f.obj.name}", f.t_start or f.t_end, f.t_end,
-                   f"{f.obj.size / 1e6:.0f} MB, {f.obj.size / max(took, 1e-9) / 1e9:.2f} GB/s")
+        self._span(
+            f"downloaded {f.obj.name}",
+            f.t_start or f.t_end,
+            f.t_end,
+            f"{f.obj.size / 1e6:.0f} MB, {f.obj.size / max(took, 1e-9) / 1e9:.2f} GB/s",
+        )
 
     def _span(self, name: str, start: float, end: float, detail: str) -> None:
         if self.on_span is not None:
@@ -276,10 +300,14 @@ class Downloader:
             except OSError as e:
                 self._fail(f"cannot write the download's manifest: {e.strerror or e}")
             total = sum(f.obj.size for f in self.files)
-            self._span("weights downloaded", self.t0_wall, time.time(),
-                       f"{total / 1e6:.0f} MB, {self.written / 1e6:.0f} MB fetched, "
-                       f"{self.written / max(self.t_end - self.t_start, 1e-9) / 1e9:.2f} GB/s, "
-                       f"{self.cpu_seconds():.2f} CPU-s")
+            self._span(
+                "weights downloaded",
+                self.t0_wall,
+                time.time(),
+                f"{total / 1e6:.0f} MB, {self.written / 1e6:.0f} MB fetched, "
+                f"{self.written / max(self.t_end - self.t_start, 1e-9) / 1e9:.2f} GB/s, "
+                f"{self.cpu_seconds():.2f} CPU-s",
+            )
         self._finished.set()
 
     def _checkpoint(self) -> None:
@@ -321,9 +349,11 @@ class Downloader:
         pct = 100 * s["bytes_done"] / max(1, s["bytes_total"])
         eta = f", ETA {s['eta_s']:.0f} s" if s["eta_s"] else ""
         try:
-            self.progress_to.write(f"hotstart: download {self.spec.url}: {pct:3.0f} % "
-                                   f"({s['bytes_done'] / 1e6:.0f} of {s['bytes_total'] / 1e6:.0f} MB), "
-                                   f"{s['rate_mbps']:.0f} MB/s{eta}\n")
+            self.progress_to.write(
+                f"hotstart: download {self.spec.url}: {pct:3.0f} % "
+                f"({s['bytes_done'] / 1e6:.0f} of {s['bytes_total'] / 1e6:.0f} MB), "
+                f"{s['rate_mbps']:.0f} MB/s{eta}\n"
+            )
             self.progress_to.flush()
         except (OSError, ValueError):
             pass
@@ -333,6 +363,8 @@ def free_space_check(snap: Path, needed: int) -> None:
     """HotstartError if SNAP's filesystem cannot hold NEEDED more bytes."""
     free = shutil.disk_usage(snap).free
     if free < needed:
-        raise HotstartError(f"not enough disk space for the download in {snap}: {needed / 1e9:.2f} GB "
-                            "needed, "
-                            f"{free / 1e9:.2f} GB free (set HOTSTART_HOME to a larger disk)")
+        raise HotstartError(
+            f"not enough disk space for the download in {snap}: {needed / 1e9:.2f} GB "
+            "needed, "
+            f"{free / 1e9:.2f} GB free (set HOTSTART_HOME to a larger disk)"
+        )

@@ -59,8 +59,13 @@ class RemoteModel:
     def stats(self) -> dict:
         if self.downloader is not None:
             return {**self.downloader.stats(), "source": self.source, "path": str(self.path)}
-        return {"state": {"s3-follow": "following"}.get(self.source, "cached"), "source": self.source,
-                "url": self.spec.url, "endpoint": self.endpoint, "path": str(self.path)}
+        return {
+            "state": {"s3-follow": "following"}.get(self.source, "cached"),
+            "source": self.source,
+            "url": self.spec.url,
+            "endpoint": self.endpoint,
+            "path": str(self.path),
+        }
 
     def stop(self) -> None:
         if self.downloader is not None:
@@ -74,8 +79,9 @@ def _warn(message: str) -> None:
 def open_remote(text: str, home: Path | None = None) -> RemoteModel:
     """Resolve the remote spec TEXT (see the module docstring). HotstartError with one line on failure."""
     spec = parse_remote(text)
-    list_store, shown, how = s3.open_store(spec.bucket, retries=LIST_RETRIES,
-                                           retry_timeout_s=LIST_RETRY_TIMEOUT_S)
+    list_store, shown, how = s3.open_store(
+        spec.bucket, retries=LIST_RETRIES, retry_timeout_s=LIST_RETRY_TIMEOUT_S
+    )
     loc = snapshot.location_dir(home or hotstart_home(), shown, spec)
     t = time.time()
     try:
@@ -88,8 +94,13 @@ def open_remote(text: str, home: Path | None = None) -> RemoteModel:
         if cached is None:
             raise HotstartError(f"{err}; no complete copy cached in {loc}") from None
         _warn(f"{err}; serving the cached copy in {cached}")
-        return RemoteModel(spec, cached, "s3-offline", shown,
-                           spans=[Span("s3 unreachable", t, time.time(), "download", "cached copy served")])
+        return RemoteModel(
+            spec,
+            cached,
+            "s3-offline",
+            shown,
+            spans=[Span("s3 unreachable", t, time.time(), "download", "cached copy served")],
+        )
     spans = [Span("s3 listed", t, time.time(), "download", f"{len(listing)} objects, credentials: {how}")]
     sidecars, tensors = snapshot.candidates(spec, listing, shown)
     snap = loc / snapshot.snapshot_key(sidecars, tensors)
@@ -108,8 +119,15 @@ def open_remote(text: str, home: Path | None = None) -> RemoteModel:
         store, _, _ = s3.open_store(spec.bucket)
         t = time.time()
         _fetch_sidecars(store, spec, snap, sidecars, shown)
-        spans.append(Span("sidecars downloaded", t, time.time(), "download",
-                          f"{len(sidecars)} files, {sum(o.size for o in sidecars) / 1e6:.1f} MB"))
+        spans.append(
+            Span(
+                "sidecars downloaded",
+                t,
+                time.time(),
+                "download",
+                f"{len(sidecars)} files, {sum(o.size for o in sidecars) / 1e6:.1f} MB",
+            )
+        )
         index = snap / snapshot.INDEX
         weights = snapshot.weight_order(spec, tensors, index.read_text() if index.is_file() else None)
         todo = [o for o in weights if not _have(snap / o.name, o.size)]
@@ -162,16 +180,19 @@ def _fetch_sidecars(store, spec: RemoteSpec, snap: Path, sidecars: list, shown: 
             except Exception as e:  # noqa: BLE001 - obstore's errors, as one line
                 raise s3.describe(e, f"{spec.url}/{obj.name}", shown) from None
             if len(data) != obj.size:
-                raise HotstartError(f"{spec.url}/{obj.name}: got {len(data)} bytes, the listing gives "
-                                    f"{obj.size}")
+                raise HotstartError(
+                    f"{spec.url}/{obj.name}: got {len(data)} bytes, the listing gives {obj.size}"
+                )
             snapshot.write_atomic(snap / obj.name, bytes(data))
         except HotstartError as e:
             errors.append(e)
         except OSError as e:
             errors.append(HotstartError(f"cannot write {snap / obj.name}: {e.strerror or e}"))
 
-    threads = [threading.Thread(target=fetch, args=(o,), name=f"hotstart-s3-sidecar-{i}", daemon=True)
-               for i, o in enumerate(sidecars)]
+    threads = [
+        threading.Thread(target=fetch, args=(o,), name=f"hotstart-s3-sidecar-{i}", daemon=True)
+        for i, o in enumerate(sidecars)
+    ]
     for th in threads:
         th.start()
     deadline = time.monotonic() + SIDECAR_TIMEOUT_S
@@ -180,8 +201,9 @@ def _fetch_sidecars(store, spec: RemoteSpec, snap: Path, sidecars: list, shown: 
     if errors:
         raise errors[0]
     if any(th.is_alive() for th in threads):
-        raise HotstartError(f"{spec.url}: the config and tokenizer files did not arrive within "
-                            f"{SIDECAR_TIMEOUT_S} s")
+        raise HotstartError(
+            f"{spec.url}: the config and tokenizer files did not arrive within {SIDECAR_TIMEOUT_S} s"
+        )
 
 
 def _follow(spec, snap: Path, shown: str, sidecars: list, tensors: list, spans: list, home) -> RemoteModel:
@@ -195,13 +217,22 @@ def _follow(spec, snap: Path, shown: str, sidecars: list, tensors: list, spans: 
             index = snap / snapshot.INDEX
             weights = snapshot.weight_order(spec, tensors, index.read_text() if index.is_file() else None)
             if all(_have(snap / o.name, o.size) or arrival.arriving(snap / o.name) for o in weights):
-                spans.append(Span("following a download", time.time(), time.time(), "download",
-                                  "another hotstart process is downloading this snapshot"))
+                spans.append(
+                    Span(
+                        "following a download",
+                        time.time(),
+                        time.time(),
+                        "download",
+                        "another hotstart process is downloading this snapshot",
+                    )
+                )
                 return RemoteModel(spec, snap, "s3-follow", shown, spans=spans)
         fd = _lock(snap)
         if fd is not None:  # it let go before finishing: this process downloads (and resumes) it
             os.close(fd)
             return open_remote(f"{spec.name}={spec.url}", home)
         time.sleep(0.05)
-    raise HotstartError(f"{spec.url}: another hotstart process holds {snap}.lock and its download made no "
-                        f"progress in {FOLLOW_WAIT_S} s")
+    raise HotstartError(
+        f"{spec.url}: another hotstart process holds {snap}.lock and its download made no "
+        f"progress in {FOLLOW_WAIT_S} s"
+    )

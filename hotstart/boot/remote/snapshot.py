@@ -44,8 +44,9 @@ def location_dir(home: Path, endpoint: str, spec: RemoteSpec) -> Path:
     return home / "s3" / _sha(json.dumps([endpoint, spec.bucket, spec.prefix]))
 
 
-def candidates(spec: RemoteSpec, listing: list[dict],
-               endpoint: str) -> tuple[list[RemoteObject], list[RemoteObject]]:
+def candidates(
+    spec: RemoteSpec, listing: list[dict], endpoint: str
+) -> tuple[list[RemoteObject], list[RemoteObject]]:
     """(sidecars, safetensors files) of a listing; HotstartError for a prefix without a model."""
     if not listing:
         raise HotstartError(f"{spec.url}: no objects under this prefix (endpoint {endpoint})")
@@ -82,8 +83,9 @@ def weight_order(spec: RemoteSpec, tensors: list[RemoteObject], index_text: str 
         names = sorted(set(map(str, weight_map.values())))
         missing = [n for n in names if n not in by_name]
         if missing:
-            raise HotstartError(f"{spec.url}/{INDEX} names shard {missing[0]}, which the listing of "
-                                f"{spec.url} does not have")
+            raise HotstartError(
+                f"{spec.url}/{INDEX} names shard {missing[0]}, which the listing of {spec.url} does not have"
+            )
         return [by_name[n] for n in names]
     if "model.safetensors" in by_name:
         return [by_name["model.safetensors"]]
@@ -98,20 +100,24 @@ def header_size_check(spec: RemoteSpec, obj: RemoteObject, head: bytes) -> int |
         return None
     n = int.from_bytes(head[:8], "little")
     if obj.size < 8 + n or n > 100 * 1024 * 1024:
-        raise HotstartError(f"{where}: its safetensors header length ({n}) does not fit in the {obj.size} "
-                            "bytes the listing gives (a truncated or corrupt object)")
+        raise HotstartError(
+            f"{where}: its safetensors header length ({n}) does not fit in the {obj.size} "
+            "bytes the listing gives (a truncated or corrupt object)"
+        )
     if len(head) < 8 + n:
         return None
     try:
-        meta = json.loads(bytes(head[8:8 + n]))
+        meta = json.loads(bytes(head[8 : 8 + n]))
         ends = [v["data_offsets"][1] for k, v in meta.items() if k != "__metadata__"]
     except (ValueError, KeyError, TypeError, IndexError):
         raise HotstartError(f"{where}: corrupt safetensors header") from None
     described = 8 + n + max(ends, default=0)
     if described != obj.size:
         what = "a truncated object" if described > obj.size else "trailing bytes"
-        raise HotstartError(f"{where}: the listing gives {obj.size} bytes but its safetensors header "
-                            f"describes {described} ({what})")
+        raise HotstartError(
+            f"{where}: the listing gives {obj.size} bytes but its safetensors header "
+            f"describes {described} ({what})"
+        )
     return 8 + n
 
 
@@ -126,9 +132,12 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 def write_manifest(snap: Path, spec: RemoteSpec, endpoint: str, objects: list[RemoteObject]) -> None:
     """Mark SNAP complete (after every file is in place), and make it the location's current one."""
-    body = {"url": spec.url, "endpoint": endpoint,
-            "completed": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "objects": [{"name": o.name, "size": o.size, "etag": o.etag} for o in objects]}
+    body = {
+        "url": spec.url,
+        "endpoint": endpoint,
+        "completed": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "objects": [{"name": o.name, "size": o.size, "etag": o.etag} for o in objects],
+    }
     write_atomic(snap / MANIFEST, json.dumps(body, indent=1).encode())
     write_atomic(snap.parent / "current", snap.name.encode())
 

@@ -50,10 +50,13 @@ def _profile(name: str, env) -> dict[str, str]:
 
     out: dict[str, str] = {}
     home = os.path.expanduser("~")
-    files = ((env.get("AWS_CONFIG_FILE") or os.path.join(home, ".aws", "config"),
-              "default" if name == "default" else f"profile {name}"),
-             (env.get("AWS_SHARED_CREDENTIALS_FILE") or os.path.join(home, ".aws", "credentials"),
-              name))
+    files = (
+        (
+            env.get("AWS_CONFIG_FILE") or os.path.join(home, ".aws", "config"),
+            "default" if name == "default" else f"profile {name}",
+        ),
+        (env.get("AWS_SHARED_CREDENTIALS_FILE") or os.path.join(home, ".aws", "credentials"), name),
+    )
     for path, section in files:
         if not os.path.isfile(path):
             continue
@@ -72,22 +75,27 @@ def store_settings(environ: dict[str, str] | None = None) -> tuple[dict, str, st
     env = os.environ if environ is None else environ
     profile_name = env.get("AWS_PROFILE") or env.get("AWS_DEFAULT_PROFILE") or "default"
     keys = env.get("AWS_ACCESS_KEY_ID"), env.get("AWS_SECRET_ACCESS_KEY")
-    profile = {} if all(keys) and (env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")) \
+    profile = (
+        {}
+        if all(keys) and (env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL"))
         else _profile(profile_name, env)
+    )
     config: dict = {}
     endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or profile.get("endpoint_url")
     if endpoint:
         config["endpoint"] = endpoint.rstrip("/")
-    config["region"] = (env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or profile.get("region")
-                        or "us-east-1")
+    config["region"] = (
+        env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or profile.get("region") or "us-east-1"
+    )
     if all(keys):
         config.update(access_key_id=keys[0], secret_access_key=keys[1])
         if env.get("AWS_SESSION_TOKEN"):
             config["session_token"] = env["AWS_SESSION_TOKEN"]
         how = "environment"
     elif profile.get("aws_access_key_id") and profile.get("aws_secret_access_key"):
-        config.update(access_key_id=profile["aws_access_key_id"],
-                      secret_access_key=profile["aws_secret_access_key"])
+        config.update(
+            access_key_id=profile["aws_access_key_id"], secret_access_key=profile["aws_secret_access_key"]
+        )
         if profile.get("aws_session_token"):
             config["session_token"] = profile["aws_session_token"]
         how = f"profile {profile_name}"
@@ -99,8 +107,12 @@ def store_settings(environ: dict[str, str] | None = None) -> tuple[dict, str, st
     return config, shown, how
 
 
-def open_store(bucket: str, environ: dict[str, str] | None = None, retries: int = RETRIES,
-               retry_timeout_s: float = RETRY_TIMEOUT_S) -> tuple[S3Store, str, str]:
+def open_store(
+    bucket: str,
+    environ: dict[str, str] | None = None,
+    retries: int = RETRIES,
+    retry_timeout_s: float = RETRY_TIMEOUT_S,
+) -> tuple[S3Store, str, str]:
     """(store for BUCKET, endpoint as shown in messages, credential source)."""
     config, shown, how = store_settings(environ)
     provider = None
@@ -109,23 +121,35 @@ def open_store(bucket: str, environ: dict[str, str] | None = None, retries: int 
             import boto3
             from obstore.auth.boto3 import Boto3CredentialProvider
         except ImportError:
-            raise HotstartError(f"AWS {how.removesuffix(' (botocore)')} has no static keys; its credentials "
-                                "(SSO, role, credential_process) need boto3: pip install boto3") from None
+            raise HotstartError(
+                f"AWS {how.removesuffix(' (botocore)')} has no static keys; its credentials "
+                "(SSO, role, credential_process) need boto3: pip install boto3"
+            ) from None
         provider = Boto3CredentialProvider(boto3.session.Session(profile_name=how.split()[1]))
-    client = {"connect_timeout": timedelta(seconds=CONNECT_TIMEOUT_S),
-              "timeout": timedelta(seconds=REQUEST_TIMEOUT_S),
-              "read_timeout": timedelta(seconds=READ_TIMEOUT_S)}
+    client = {
+        "connect_timeout": timedelta(seconds=CONNECT_TIMEOUT_S),
+        "timeout": timedelta(seconds=REQUEST_TIMEOUT_S),
+        "read_timeout": timedelta(seconds=READ_TIMEOUT_S),
+    }
     if config.get("endpoint", "").startswith("http://"):
         client["allow_http"] = True
-    retry = {"max_retries": retries, "retry_timeout": timedelta(seconds=retry_timeout_s),
-             "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=5),
-                         "base": 2}}
+    retry = {
+        "max_retries": retries,
+        "retry_timeout": timedelta(seconds=retry_timeout_s),
+        "backoff": {
+            "init_backoff": timedelta(milliseconds=100),
+            "max_backoff": timedelta(seconds=5),
+            "base": 2,
+        },
+    }
     try:
-        store = S3Store(bucket, config=config, client_options=client, retry_config=retry,
-                        credential_provider=provider)
+        store = S3Store(
+            bucket, config=config, client_options=client, retry_config=retry, credential_provider=provider
+        )
     except Exception as e:  # noqa: BLE001 - obstore raises its own types for bad settings
-        raise HotstartError(f"s3://{bucket}: bad S3 settings ({endpoint_hint(shown)}): "
-                            f"{_first_line(e)}") from None
+        raise HotstartError(
+            f"s3://{bucket}: bad S3 settings ({endpoint_hint(shown)}): {_first_line(e)}"
+        ) from None
     return store, shown, how
 
 
@@ -145,8 +169,9 @@ def describe(e: BaseException, what: str, shown: str) -> StoreError:
     code = m.group(1) if (m := _CODE.search(text)) else None
     if isinstance(e, FileNotFoundError) or code in ("NoSuchKey", "NoSuchBucket") or status == 404:
         reason = "no such bucket" if code == "NoSuchBucket" else "not found"
-    elif status in (401, 403) or isinstance(e, (obstore.exceptions.PermissionDeniedError,
-                                                 obstore.exceptions.UnauthenticatedError)):
+    elif status in (401, 403) or isinstance(
+        e, (obstore.exceptions.PermissionDeniedError, obstore.exceptions.UnauthenticatedError)
+    ):
         reason = f"access denied ({code or status}): check the credentials and their permissions"
     elif isinstance(e, obstore.exceptions.PreconditionError) or status == 412:
         reason = "the object changed on the store during the download (ETag no longer matches)"
@@ -166,8 +191,11 @@ def list_prefix(store: S3Store, prefix: str) -> list[dict]:
     """The objects directly under PREFIX (one ListObjectsV2 per 1000 keys): dicts with name, size, etag."""
     listed = obstore.list_with_delimiter(store, f"{prefix}/" if prefix else None)
     cut = len(prefix) + 1 if prefix else 0
-    return [{"name": o["path"][cut:], "size": int(o["size"]), "etag": o.get("e_tag") or ""}
-            for o in listed["objects"] if "/" not in o["path"][cut:]]
+    return [
+        {"name": o["path"][cut:], "size": int(o["size"]), "etag": o.get("e_tag") or ""}
+        for o in listed["objects"]
+        if "/" not in o["path"][cut:]
+    ]
 
 
 def get_range(store: S3Store, key: str, start: int, end: int, etag: str):

@@ -48,9 +48,10 @@ def parse_remote(spec: str) -> RemoteSpec:
     if not spec.startswith(SCHEMES):
         name, _, url = spec.partition("=")
         if not _NAME.match(name):
-            raise HotstartError(f"model '{spec}': '{name}' is not a valid model name "
-                                "(letters, digits, '._-:/')")
-    rest = url[len("s3://"):]
+            raise HotstartError(
+                f"model '{spec}': '{name}' is not a valid model name (letters, digits, '._-:/')"
+            )
+    rest = url[len("s3://") :]
     bucket, _, prefix = rest.partition("/")
     if not _BUCKET.match(bucket) or ".." in bucket:
         raise HotstartError(f"model '{spec}': '{bucket}' is not a valid S3 bucket name")
