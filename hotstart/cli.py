@@ -27,7 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     s.add_argument("model", nargs="?", default=None,
-                   help="model folder, hub id in the local HF/ModelScope cache, or nothing for the default model")
+                   help="model folder, hub id in the local HF/ModelScope cache, s3://BUCKET/PREFIX (or "
+                        "NAME=s3://...: downloaded while torch imports, cached), or nothing for the default "
+                        "model")
     s.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) in the local cache")
     add_options(s, ServeConfig)
     add_options(s.add_argument_group("engine"), EngineConfig)

@@ -13,6 +13,7 @@ import importlib
 # bench subcommand -> (module, function(args) -> exit code)
 BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     "startup": ("hotstart.bench.startup", "run_startup_bench"),
+    "remote": ("hotstart.bench.remote", "run_remote_bench"),
 }
 MAKE_MODEL = ("hotstart.bench.make_model", "run_make_model")
 
@@ -110,6 +111,9 @@ def add_bench_commands(sub) -> None:
     b = sub.add_parser("bench", help="benchmarks (startup, ...)")
     bsub = b.add_subparsers(dest="bench_command", metavar="BENCH")
     _add_startup(bsub)
+    from hotstart.bench.remote_args import add_remote  # noqa: PLC0415 - argparse only
+
+    add_remote(bsub)
     _add_make_model(sub)
 
 

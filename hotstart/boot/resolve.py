@@ -29,8 +29,10 @@ class ResolvedModel:
     """Where a model lives and how it is named by default."""
 
     path: Path  # folder holding config.json and the weights
-    source: str  # "local" | "hf-cache" | "modelscope" | "default"
+    source: str  # "local" | "hf-cache" | "modelscope" | "default" | "s3" | "s3-cache" | "s3-offline" |
+    # "s3-follow" (boot/remote/session.py)
     name: str  # default served model name: the hub id, the local folder's basename, or the default's name
+    remote: object | None = None  # s3:// models: the RemoteModel (download progress), boot/remote/session.py
 
 
 def resolve_model(spec: str | None, revision: str | None = None,
@@ -43,6 +45,8 @@ def resolve_model(spec: str | None, revision: str | None = None,
     then in the ModelScope cache (which keeps one unnamed revision, so only for main/master).
     Raises ModelNotFoundError (a HotstartError) with a one-line message.
     """
+    if spec is not None and spec.startswith(("s3://", "s3:")) or "=s3://" in (spec or ""):
+        return _resolve_remote(spec, revision)
     if spec is None:
         if revision is not None:
             raise HotstartError("--revision applies to hub model ids, not to the default model")
@@ -71,6 +75,22 @@ def resolve_model(spec: str | None, revision: str | None = None,
     if _looks_like_path(spec):
         raise ModelNotFoundError(f"model '{spec}': no such folder")
     return _resolve_hub_id(spec, revision)
+
+
+def _resolve_remote(spec: str, revision: str | None) -> ResolvedModel:
+    """s3://BUCKET/PREFIX or NAME=s3://...: listed, its sidecars fetched, its weights downloading."""
+    from hotstart.boot.remote import is_remote  # noqa: PLC0415 - string parsing only
+
+    try:
+        from hotstart.boot.remote.session import open_remote  # noqa: PLC0415 - imports obstore: s3:// only
+    except ImportError as e:
+        raise HotstartError(f"s3:// models need obstore ({e.name} is missing): pip install obstore") from None
+    if not is_remote(spec):
+        raise ModelNotFoundError(f"model '{spec}': not a folder, hub id or s3://BUCKET/PREFIX")
+    if revision is not None:
+        raise HotstartError(f"model '{spec}': --revision applies to hub model ids, not to s3:// models")
+    remote = open_remote(spec)
+    return ResolvedModel(path=remote.path, source=remote.source, name=remote.spec.name, remote=remote)
 
 
 def _looks_like_path(spec: str) -> bool:

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from hotstart.errors import WeightsError
+from hotstart.model.arrival import arriving
 
 SIDECAR_NAMES = (
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -33,11 +34,11 @@ def weight_files(model_dir: Path) -> list[Path]:
             raise WeightsError(f"{index}: has no weight_map")
         shards = [model_dir / s for s in sorted(set(map(str, weight_map.values())))]
         for shard in shards:
-            if not shard.is_file():  # also catches an HF-cache symlink whose blob is gone
+            if not (shard.is_file() or arriving(shard)):  # also an HF-cache symlink whose blob is gone
                 raise WeightsError(f"{index} names shard {shard.name}, which is missing from {model_dir}")
         return shards
     single = model_dir / "model.safetensors"
-    if single.is_file():
+    if single.is_file() or arriving(single):
         return [single]
     found = sorted(p for p in model_dir.glob("*.safetensors") if p.is_file())
     if found:

@@ -19,7 +19,7 @@ from torch import nn
 
 from hotstart.config import ModelConfig
 from hotstart.errors import WeightsError
-from hotstart.model import parallel
+from hotstart.model import arrival, parallel
 from hotstart.model.decoder import CausalLM
 from hotstart.model.layers import PackedLinear
 from hotstart.model.safetensors_io import PageToucher, SafetensorsFile
@@ -88,7 +88,7 @@ def load_model(
     if not files:
         raise WeightsError(f"{cfg.path}: no safetensors weight files found")
     for path in files:
-        st = SafetensorsFile(path)
+        st, arrived = arrival.open_arrived(path, SafetensorsFile)  # downloading: once its header is in
         try:
             for info in st.in_file_order():
                 name = info.name
@@ -110,6 +110,7 @@ def load_model(
                     want = parallel.full_shape((size, *meta.shape[1:]), split)
                 if info.shape != want:
                     raise WeightsError(f"{path}: tensor '{name}' has shape {list(info.shape)}, expected {list(want)}")
+                arrived(info.end)  # its bytes are in (a no-op unless the file is still downloading)
                 src = st.get(info) if split is None else parallel.rank_part(st, info, split)
                 if staged is not None:
                     if split is None:

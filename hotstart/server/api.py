@@ -235,11 +235,13 @@ class OpenAIServing:
         finally:
             await close_shielded(stream)
 
-    def startup_body(self, prefetch_stats: Any) -> dict[str, Any]:
+    def startup_body(self, prefetch_stats: Any, download_stats: Any = None) -> dict[str, Any]:
         """The timeline, plus "prefetch": PREFETCH_STATS() (or the value itself) when it is set."""
         body = dict(self.engine.timeline.to_json())
         if prefetch_stats is not None:
             body["prefetch"] = prefetch_stats() if callable(prefetch_stats) else prefetch_stats
+        if download_stats is not None:  # s3:// models: bytes, rate, ETA (boot/remote/)
+            body["download"] = download_stats()
         fast = getattr(self.engine, "fast_path", None)
         if fast is not None:
             body["fast_path"] = msgspec.to_builtins(fast)  # what is built behind READY, per bucket
@@ -273,7 +275,8 @@ class OpenAIServing:
 
     async def startup(self, request: Request) -> Response:
         # app.state.prefetch_stats: the serve command sets it once the prefetcher exists
-        return json_response(self.startup_body(request.app.state.prefetch_stats))
+        state = request.app.state
+        return json_response(self.startup_body(state.prefetch_stats, state.download_stats))
 
     async def prometheus(self) -> Response:
         self.metrics.update_engine(self.engine.stats, self.engine.ready)
@@ -300,6 +303,7 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, settings: ApiSettings)
     app.state.metrics = serving.metrics
     app.state.set_startup_seconds = serving.metrics.set_startup_duration
     app.state.prefetch_stats = None
+    app.state.download_stats = None  # s3:// models: a callable, its result under "download" in /startup
     app.add_middleware(Gate, api_key=settings.api_key, metrics=serving.metrics)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)

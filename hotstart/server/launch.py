@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import errno
 import logging
 import signal
@@ -79,7 +80,7 @@ def run_serve(args: argparse.Namespace, cfg: ServeConfig, t0: float, launcher: E
         timeline.add(name, start, end, "api", detail)
     if launcher.started_at is not None:
         timeline.add("forkserver launched", t0, launcher.started_at)
-    prefetcher = cursor = None
+    prefetcher = cursor = remote = None
     try:
         from hotstart.boot.resolve import resolve_model  # noqa: PLC0415
         from hotstart.model.files import weight_files  # noqa: PLC0415
@@ -88,6 +89,11 @@ def run_serve(args: argparse.Namespace, cfg: ServeConfig, t0: float, launcher: E
             model = resolve_model(args.model, args.revision)
             files = weight_files(model.path)
             span.detail = f"{model.source}: {model.path}"
+        remote = model.remote  # s3:// models (boot/remote/): its weights may be arriving
+        if remote is not None:
+            remote.attach(timeline.record)
+        if cfg.prefetch and remote is not None and remote.downloading:  # the download fills the page cache
+            cfg = dataclasses.replace(cfg, prefetch=False)
         if cfg.prefetch:
             from hotstart.model.cursor import LoadCursor  # noqa: PLC0415
 
@@ -117,6 +123,8 @@ def run_serve(args: argparse.Namespace, cfg: ServeConfig, t0: float, launcher: E
         app = build_app(client, tokenizer, settings)
         if prefetcher is not None:
             app.state.prefetch_stats = prefetcher.stats
+        if remote is not None:
+            app.state.download_stats = remote.stats
         with timeline.phase("socket bound"):
             sock = _bind(cfg.host, cfg.port)
         host, port = sock.getsockname()[:2]
@@ -129,6 +137,8 @@ def run_serve(args: argparse.Namespace, cfg: ServeConfig, t0: float, launcher: E
 
         return asyncio.run(_serve(app, sock, client, prefetcher))
     finally:
+        if remote is not None:
+            remote.stop()  # in-flight chunks end; what is written is kept for the next start
         launcher.shutdown()  # no-op after a clean serve; bounded otherwise
         if cfg.startup_trace:
             try:

@@ -1,0 +1,44 @@
+"""Arguments of `hotstart bench remote` (argparse only: `hotstart --help` stays light)."""
+
+from __future__ import annotations
+
+
+def add_remote(bsub) -> None:
+    p = bsub.add_parser(
+        "remote",
+        help="s3:// start vs download-then-serve vs the Run:ai streamer; warm restarts; CPU-s per GB",
+        description="Upload MODEL to an S3 endpoint (by default a moto server started here on loopback), "
+        "then, "
+        "interleaved for --runs rounds: launch -> first correct answer of `hotstart serve s3://...` "
+        "with an empty cache; the serial way (a boto3 download of the folder, then `hotstart serve` "
+        "of it); the Run:ai Model Streamer's load time of the same objects (--runai-python); a "
+        "restart with the warm cache against serving the cached folder. Writes results.json and "
+        "table.md.",
+    )
+    p.add_argument("model", nargs="?", default=None, help="model folder (default: the embedded model)")
+    p.add_argument(
+        "--endpoint",
+        default=None,
+        metavar="URL",
+        help="an S3 endpoint to use (credentials from the environment) instead of starting moto",
+    )
+    p.add_argument("--bucket", default="hotstart-bench", help="bucket to upload to (created if missing)")
+    p.add_argument("--prefix", default=None, help="key prefix (default: bench/ + the folder's name)")
+    p.add_argument("--runs", type=int, default=3, help="measured rounds (medians are reported)")
+    p.add_argument(
+        "--runai-python",
+        default=None,
+        metavar="PYTHON",
+        help="a Python with runai-model-streamer + runai-model-streamer-s3 (and torch) installed: "
+        "also time its load of the same objects",
+    )
+    p.add_argument(
+        "--expect", default="Paris", help="the answers must contain this (default: Paris; '' = any)"
+    )
+    p.add_argument("--prompt", default="What is the capital of France?")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--timeout", type=float, default=600, help="seconds per run")
+    p.add_argument(
+        "--hotstart-args", default="", metavar="ARGS", help="extra `hotstart serve` flags, one string"
+    )
+    p.add_argument("--out", default=None, help="results folder (default: bench-results/remote-DATE)")
