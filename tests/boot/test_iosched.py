@@ -52,7 +52,8 @@ def test_load_drops_changed_files_and_asks_for_a_new_record_when_many_changed(tm
         f.write_bytes(os.urandom(5000))
         files.append(f)
     path = tmp_path / "m.json"
-    path.write_text(json.dumps({"entries": [[str(f), f.stat().st_size, f.stat().st_mtime_ns, None] for f in files]}))
+    entries = [[str(f), f.stat().st_size, f.stat().st_mtime_ns, None] for f in files]
+    path.write_text(json.dumps({"entries": entries}))
     fresh, stale = manifest.load(path)
     assert len(fresh) == 20 and not stale
     files[0].write_bytes(b"changed")  # size and mtime differ: dropped
