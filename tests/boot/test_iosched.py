@@ -134,3 +134,35 @@ def test_start_after_calls_once_the_gate_opens_or_the_timeout_passes():
     iosched.start_after(threading.Event(), 0.05, lambda: calls.append(0))
     time.sleep(0.5)
     assert len(calls) == 2
+
+
+def test_a_start_records_both_manifests_and_the_next_start_reads_them_first(tmp_path, default_model_dir):
+    import httpx
+    from util import Server
+
+    home = tmp_path / "home"
+    (home / "models").mkdir(parents=True)
+    os.symlink(default_model_dir, home / "models" / default_model_dir.name)
+    env = {"HOTSTART_HOME": str(home)}
+    for start in range(2):
+        s = Server(env=env)
+        try:
+            r = httpx.post(s.url + "/v1/completions", json={"model": default_model_dir.name, "prompt": "Hi",
+                                                            "max_tokens": 2}, timeout=60)
+            assert r.status_code == 200, r.text
+            phases = {p["name"]: p for p in httpx.get(s.url + "/startup", timeout=10).json()["phases"]}
+        finally:
+            s.stop()
+        (io,) = (home / "io").iterdir()
+        deadline = time.monotonic() + 10  # the forkserver records while idle, after its first fork
+        while not (io / "forkserver.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        entries = {role: json.loads((io / f"{role}.json").read_text())["entries"] for role in ("api", "forkserver")}
+        assert any("torch" in e[0] and e[0].endswith(".so") and e[3] for e in entries["forkserver"])
+        assert any("fastapi" in e[0] for e in entries["api"])
+        assert not any("/torch/" in e[0] for e in entries["api"])  # the API process never imports torch
+        files = int(phases["imports prefetched"]["detail"].split(" files")[0].split()[-1])
+        if start == 0:
+            assert files == 0  # nothing recorded yet
+        else:
+            assert files >= len(entries["api"]) // 2  # read from both manifests, stale entries dropped
