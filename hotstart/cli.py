@@ -117,9 +117,15 @@ def main(argv: list[str] | None = None) -> int:
             launcher = EngineLauncher(use_forkserver=serve_cfg.prespawn, zygote=serve_cfg.zygote)
             try:
                 launcher.start()
+                imports = None
+                if serve_cfg.prefetch and serve_cfg.import_prefetch:  # the bytes the imports need, first
+                    from hotstart.boot.iosched import start_import_prefetch
+                    from hotstart.system import hotstart_home
+
+                    imports = start_import_prefetch(hotstart_home(), forkserver=launcher.server is not None)
                 from hotstart.server.launch import run_serve  # noqa: PLC0415
 
-                return run_serve(args, serve_cfg, T0, launcher)
+                return run_serve(args, serve_cfg, T0, launcher, imports)
             finally:
                 launcher.shutdown()
         if args.command == "generate":

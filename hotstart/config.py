@@ -269,6 +269,9 @@ class ServeConfig:
                             flag="--no-prespawn", action="store_false")
     prefetch: bool = option(True, "do not prefetch weights into the page cache (ablation)", flag="--no-prefetch",
                             action="store_false")
+    import_prefetch: bool = option(True, "do not read the imports' files first at t=0, nor hold the weight "
+                                         "prefetch back while the imports run (ablation)",
+                                   flag="--no-import-prefetch", action="store_false")
     prefetch_threads: int | None = option(None, "prefetch reader threads", type=non_negative)
     prefetch_block_mb: int | None = option(None, "prefetch read size in MiB", type=non_negative)
     prefetch_method: str = option("auto", "how the prefetcher fills the page cache: preadv (reads, copied into "
@@ -301,7 +304,7 @@ class ServeConfig:
         fast-start mechanism off: no forkserver, no zygote, no prefetch."""
         cfg = cls(**values(cls, args))
         if serial_baseline():
-            cfg = replace(cfg, prespawn=False, prefetch=False, zygote="off")
+            cfg = replace(cfg, prespawn=False, prefetch=False, import_prefetch=False, zygote="off")
         return cfg
 
 

@@ -21,8 +21,10 @@ import os
 import stat
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+from hotstart.boot.iosched import IOPRIO_CLASS_BE, IOPRIO_CLASS_IDLE, set_io_class
 from hotstart.boot.populate import populator
 from hotstart.boot.residency import LOW_BIT, PAGE_SIZE, FileMap, pages
 from hotstart.boot.storage import PrefetchPlan
@@ -54,8 +56,11 @@ class Prefetcher:
     """
 
     def __init__(self, files: list[Path], plan: PrefetchPlan, cursor: LoadCursor | None = None,
-                 window_bytes: int | None = None):
+                 window_bytes: int | None = None, idle_io_until: Callable[[], bool] | None = None):
         self.plan = plan
+        # Until this returns True (the imports are over: boot/iosched.py), the threads read in the idle I/O
+        # class, so a library page an import faults in is not queued behind them.
+        self._idle_io_until = idle_io_until
         self._cursor = cursor
         self._window = plan.window_bytes if window_bytes is None else window_bytes
         # Block: a whole number of pages, and no larger than the window (else it could never be claimed).
@@ -265,7 +270,13 @@ class Prefetcher:
         try:
             pop = populator(self.plan.method, self._block, self.plan.chunk_bytes)  # buffers for the thread's life
             vec = (ctypes.c_ubyte * pages(self._block))()
+            idle_io = self._idle_io_until is not None and not self._idle_io_until()
+            if idle_io:
+                idle_io = set_io_class(IOPRIO_CLASS_IDLE)
             while not self._stop.is_set():
+                if idle_io and self._idle_io_until():
+                    set_io_class(IOPRIO_CLASS_BE)
+                    idle_io = False
                 with self._lock:
                     work = self._claim()
                 self._close_detached()

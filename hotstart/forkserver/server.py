@@ -60,6 +60,7 @@ class ForkServer:
         torch_version = str(getattr(sys.modules.get("torch"), "__version__", ""))
         self.info = ServerInfo(os.getpid(), preload, __version__, sys.executable, torch_version)
         self.stopping = False
+        self.manifest = None  # boot/manifest.py: where to record what the preload read (main() sets it)
 
     # ---- connections -------------------------------------------------------------------------
     def add_connection(self, conn: socket.socket) -> bool:
@@ -154,6 +155,18 @@ class ForkServer:
     def _recv(self, conn: socket.socket) -> bytes:
         return conn.recv(1 << 16)
 
+    def _record_manifest(self) -> None:
+        """Once, while idle (never before a fork): what the preload read, for the next cold start's
+        I/O schedule (boot/manifest.py), if the one on disk is missing or stale."""
+        from hotstart.boot import manifest  # noqa: PLC0415 - stdlib only
+
+        path, self.manifest = self.manifest, None
+        try:
+            if manifest.load(path)[1]:
+                manifest.record(path)
+        except OSError as e:  # a read-only or full $HOTSTART_HOME: the next start reads no manifest
+            print(f"hotstart: forkserver: could not record {path}: {e.strerror or e}", file=sys.stderr)
+
     # ---- the loop ----------------------------------------------------------------------------
     def run(self) -> None:
         """Serve until stopped, signalled, or the last connection closes; then stop every engine."""
@@ -165,6 +178,8 @@ class ForkServer:
             while not self.stopping and self._serving():
                 ready = self._wait()
                 self._reap()
+                if not ready and self.manifest is not None:
+                    self._record_manifest()
                 for conn in ready:
                     if conn not in self.readers:  # another fd, or dropped while handling an earlier one
                         self._on_other(conn)
@@ -196,6 +211,11 @@ def main() -> None:
     from hotstart.engine import worker  # noqa: PLC0415 - the preload: torch and the whole engine
 
     server = ForkServer(Span("forkserver up (torch + engine imported)", T_START, time.time(), "forkserver"), worker)
+    if os.environ.get("HOTSTART_IMPORT_PREFETCH", "1") != "0":
+        from hotstart.boot.manifest import folder  # noqa: PLC0415 - stdlib only
+        from hotstart.system import hotstart_home  # noqa: PLC0415
+
+        server.manifest = folder(hotstart_home()) / "forkserver.json"
     if server.add_connection(conn):  # else: the API process went away while we imported torch
         server.run()
     os._exit(0)  # skip torch's slow interpreter teardown

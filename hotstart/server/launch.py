@@ -21,6 +21,7 @@ import logging
 import signal
 import socket
 import sys
+import threading
 import time
 
 from hotstart.boot.timeline import Timeline
@@ -51,8 +52,12 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _start_prefetch(cfg: ServeConfig, model_path, files, cursor, timeline: Timeline):
-    """Start the sidecar and weight prefetchers (daemon threads, reads only); the weights one or None."""
+def _start_prefetch(cfg: ServeConfig, model_path, files, cursor, timeline: Timeline, imports, api_imported):
+    """Start the sidecar and weight prefetchers (daemon threads, reads only); the weights one or None.
+    With IMPORTS (boot/iosched.py's ImportPrefetch, reading what the imports need) the weights start
+    once it is done, and read in the idle I/O class until the imports are over (API_IMPORTED set, and the
+    engine's loader started: the forkserver's import is done)."""
+    from hotstart.boot.iosched import GATE_TIMEOUT_S, start_after  # noqa: PLC0415
     from hotstart.boot.prefetch import Prefetcher  # noqa: PLC0415
     from hotstart.boot.storage import PrefetchOverrides, plan_for  # noqa: PLC0415
     from hotstart.model.files import sidecar_files  # noqa: PLC0415
@@ -67,12 +72,22 @@ def _start_prefetch(cfg: ServeConfig, model_path, files, cursor, timeline: Timel
         sidecars = sidecar_files(model_path)
         Prefetcher(sidecars, plan_for(sidecars, overrides)).start()
         span.detail = plan.reason if plan.enabled else f"off: {plan.reason}"
-        prefetcher = Prefetcher(files, plan, cursor).start() if plan.enabled else None
+        prefetcher = None
+        if plan.enabled and imports is None:
+            prefetcher = Prefetcher(files, plan, cursor).start()
+        elif plan.enabled:
+            def imports_over() -> bool:
+                return api_imported.is_set() and (cursor is None or cursor.position() >= 0)
+
+            prefetcher = Prefetcher(files, plan, cursor, idle_io_until=imports_over)
+            start_after(imports.done, GATE_TIMEOUT_S, prefetcher.start)
     return prefetcher
 
 
-def run_serve(args: argparse.Namespace, cfg: ServeConfig, t0: float, launcher: EngineLauncher) -> int:
-    """ARGS: the parsed command line (model, --revision, engine flags); CFG: the serve flags."""
+def run_serve(args: argparse.Namespace, cfg: ServeConfig, t0: float, launcher: EngineLauncher,
+              imports=None) -> int:
+    """ARGS: the parsed command line (model, --revision, engine flags); CFG: the serve flags; IMPORTS:
+    the import prefetch started at t=0 (boot/iosched.py ImportPrefetch), or None."""
     logging.basicConfig(level=getattr(logging, cfg.log_level.upper()), format="%(message)s", stream=sys.stderr)
     timeline = Timeline(t0)
     timeline.on_event = lambda span: log.info(timeline.log_line(span))  # one log line per phase
@@ -103,8 +118,9 @@ def run_serve(args: argparse.Namespace, cfg: ServeConfig, t0: float, launcher: E
         if launcher.use_forkserver:
             with timeline.phase("engine config sent"):
                 launcher.spawn(engine_cfg)  # the forkserver forks the engine once its preload is done
+        api_imported = threading.Event()
         if cfg.prefetch:
-            prefetcher = _start_prefetch(cfg, model.path, files, cursor, timeline)
+            prefetcher = _start_prefetch(cfg, model.path, files, cursor, timeline, imports, api_imported)
         from hotstart.server.engine_client import EngineClient  # noqa: PLC0415
 
         client = EngineClient(launcher, engine_cfg, timeline, auto_restart=cfg.restart)
@@ -114,6 +130,7 @@ def run_serve(args: argparse.Namespace, cfg: ServeConfig, t0: float, launcher: E
             from hotstart.text.tokenizer import Tokenizer  # noqa: PLC0415
         with timeline.phase("tokenizer loaded"):
             tokenizer = Tokenizer.from_dir(model.path)
+        api_imported.set()
         names = list(cfg.served_model_name or [model.name])
         settings = ApiSettings(served_model_names=names, api_key=cfg.api_key,
                                max_request_bytes=cfg.max_request_bytes,
@@ -135,7 +152,7 @@ def run_serve(args: argparse.Namespace, cfg: ServeConfig, t0: float, launcher: E
             client.spawn()  # the serial way: a fresh interpreter, once the API is otherwise ready
         import asyncio  # noqa: PLC0415
 
-        return asyncio.run(_serve(app, sock, client, prefetcher))
+        return asyncio.run(_serve(app, sock, client, prefetcher, imports))
     finally:
         if remote is not None:
             remote.stop()  # in-flight chunks end; what is written is kept for the next start
@@ -150,7 +167,25 @@ def run_serve(args: argparse.Namespace, cfg: ServeConfig, t0: float, launcher: E
             cursor.close()  # the owner's close removes its folder
 
 
-async def _serve(app, sock: socket.socket, client, prefetcher) -> int:
+def _imports_done(imports, timeline: Timeline) -> None:
+    """At READY: the import prefetch on the timeline; this process's manifest recorded if it was missing
+    or stale (boot/manifest.py; the forkserver records its own)."""
+    from hotstart.boot import manifest  # noqa: PLC0415 - stdlib only
+    from hotstart.system import hotstart_home  # noqa: PLC0415
+
+    s = imports.stats()
+    if imports.t_end is not None:
+        timeline.add("imports prefetched", imports.t_start, imports.t_end, "api",
+                     f"{s['bytes_listed'] / 1e6:.0f} MB in {s['files']} files, {s['errors']} errors")
+    if "api" in imports.to_record:
+        path = manifest.folder(hotstart_home()) / "api.json"
+        try:
+            manifest.record(path)
+        except OSError as e:
+            log.warning("hotstart: WARNING: could not record %s: %s", path, e.strerror or e)
+
+
+async def _serve(app, sock: socket.socket, client, prefetcher, imports=None) -> int:
     import uvicorn  # noqa: PLC0415
 
     class Server(uvicorn.Server):
@@ -181,6 +216,8 @@ async def _serve(app, sock: socket.socket, client, prefetcher) -> int:
 
     def on_ready() -> None:
         took = time.time() - client.timeline.t0
+        if imports is not None:
+            _imports_done(imports, client.timeline)
         log.info("hotstart: ready in %.2f s since launch", took)
         if hasattr(app.state, "set_startup_seconds"):
             app.state.set_startup_seconds(took)
