@@ -130,7 +130,8 @@ class Check:
                 ids = torch.tensor([prompt], device=dev)
                 with torch.no_grad():
                     ref_logits = ref_model(ids).logits[0, -1].float().cpu()
-                    out_ids = ref_model.generate(ids, max_new_tokens=32, do_sample=False, min_new_tokens=32,
+                    # eos disabled, not masked: the engine's ignore_eos may still pick the eos token
+                    out_ids = ref_model.generate(ids, max_new_tokens=32, do_sample=False, eos_token_id=None,
                                                  pad_token_id=0)
                     ref_tokens = out_ids[0, len(prompt):].tolist()
                 files = tuple(map(str, weight_files(folder)))

@@ -143,8 +143,8 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.fused = fused
         if fused:
-            self.qkv_proj = FusedLinear(cfg.hidden_size, {"q_proj": self.q_size, "k_proj": self.kv_size,
-                                                           "v_proj": self.kv_size}, bias=cfg.qkv_bias)
+            shards = {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size}
+            self.qkv_proj = FusedLinear(cfg.hidden_size, shards, bias=cfg.qkv_bias)
         else:
             self.q_proj = Linear(cfg.hidden_size, self.q_size, bias=cfg.qkv_bias)
             self.k_proj = Linear(cfg.hidden_size, self.kv_size, bias=cfg.qkv_bias)
@@ -201,7 +201,7 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm: x + attn(norm(x)), then x + mlp(norm(x)) (Llama, Qwen2, Qwen3, Mistral)."""
+    """Pre-norm: x + attn(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, cfg: ModelConfig, fused: bool):
         super().__init__()

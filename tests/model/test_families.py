@@ -27,8 +27,8 @@ TINY = families.tiny_checkpoints()
 DROP = object()  # a change that removes the field
 
 
-def _write(tmp_path, family: str, **changes) -> tuple[str, dict]:
-    """config.json of FAMILY's tiny config with CHANGES."""
+def _write(tmp_path, family: str, **changes) -> str:
+    """A folder with the config.json of FAMILY's tiny config and CHANGES."""
     model_type, kw = TINY[family]
     raw = {"model_type": model_type, **kw}
     for k, v in changes.items():
@@ -38,7 +38,7 @@ def _write(tmp_path, family: str, **changes) -> tuple[str, dict]:
             raw[k] = v
     tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    return str(tmp_path), raw
+    return str(tmp_path)
 
 
 def _theirs(folder: str):
@@ -60,7 +60,7 @@ VARIANTS = {"as is": {}, "attention_bias": {"attention_bias": True}, "mlp_bias":
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("family", families.names())
 def test_config_read_as_transformers_reads_it(tmp_path, family, variant):
-    folder, raw = _write(tmp_path, family, **VARIANTS[variant])
+    folder = _write(tmp_path, family, **VARIANTS[variant])
     theirs_cfg, theirs = _theirs(folder)
     cfg = load_model_config(folder)
     with torch.device("meta"):
@@ -102,12 +102,12 @@ WINDOWS = [
 
 @pytest.mark.parametrize("family,changes", WINDOWS, ids=[f"{f}-{i}" for i, (f, _) in enumerate(WINDOWS)])
 def test_a_window_is_refused_exactly_where_transformers_masks(tmp_path, family, changes):
-    folder, _ = _write(tmp_path, family, **changes)
+    folder = _write(tmp_path, family, **changes)
     ids = torch.arange(1, 25).unsqueeze(0)  # 24 tokens: past a window of 8, within one of 64
     windowed, state = _logits(folder, ids)
     plain = {k: DROP for k in ("sliding_window", "use_sliding_window", "layer_types", "max_window_layers")}
     # the same weights without a window
-    full, _ = _logits(_write(tmp_path / "full", family, **plain)[0], ids, state)
+    full, _ = _logits(_write(tmp_path / "full", family, **plain), ids, state)
     masks = not torch.allclose(windowed, full, atol=1e-6)
     cfg = load_model_config(folder)
     try:
@@ -121,19 +121,18 @@ def test_a_window_is_refused_exactly_where_transformers_masks(tmp_path, family, 
 
 
 def test_the_served_context_decides(tmp_path):
-    folder, _ = _write(tmp_path, "mistral", sliding_window=256)
+    folder = _write(tmp_path, "mistral", sliding_window=256)
     cfg = load_model_config(folder)  # loads: the window matters only once the context passes it
     with pytest.raises(ModelConfigError, match=r"config.json: field 'sliding_window' \(256\) is shorter "
                                                r"than the context to serve \(1024 tokens\)"):
         max_model_len_for(EngineConfig(model_path=folder), cfg)  # default: max_position_embeddings
     assert max_model_len_for(EngineConfig(model_path=folder, max_model_len=256), cfg) == 256
+    qwen2 = _write(tmp_path / "q", "qwen2", use_sliding_window=True, sliding_window=100, max_window_layers=0)
     opt_in = r"'use_sliding_window' is true and field 'sliding_window' \(100\)"
     with pytest.raises(ModelConfigError, match=opt_in):
-        folder2, _ = _write(tmp_path / "q", "qwen2", use_sliding_window=True, sliding_window=100,
-                            max_window_layers=0)
-        max_model_len_for(EngineConfig(model_path=folder2, max_model_len=101), load_model_config(folder2))
-    folder3, _ = _write(tmp_path / "m", "mistral", sliding_window=None)
-    assert load_model_config(folder3).sliding_window is None  # null: full attention (Mistral-7B-v0.2 on)
+        max_model_len_for(EngineConfig(model_path=qwen2, max_model_len=101), load_model_config(qwen2))
+    null = _write(tmp_path / "m", "mistral", sliding_window=None)
+    assert load_model_config(null).sliding_window is None  # null: full attention (Mistral-7B-v0.2 on)
 
 
 @pytest.mark.parametrize("family,changes,message", [
@@ -152,7 +151,7 @@ def test_the_served_context_decides(tmp_path):
      r"architecture 'Gemma2ForCausalLM' is not supported yet"),
 ])
 def test_features_not_implemented_are_refused_naming_the_field(tmp_path, family, changes, message):
-    folder, _ = _write(tmp_path, family, **changes)
+    folder = _write(tmp_path, family, **changes)
     with pytest.raises(ModelConfigError, match=message) as e:
         load_model_config(folder)
     assert str(e.value).startswith(f"{folder}/config.json: ") and "\n" not in str(e.value)
