@@ -6,7 +6,7 @@
 Writes OUT/gpu_check.json after every step (a crash or a timeout keeps what was measured) and
 OUT/gpu_check.log. Steps (each bounded; the whole check is sized for < 8 minutes on one H200):
   env          versions, device, memory, disk, CPU count
-  correctness  random Qwen2 / Qwen3 / Llama checkpoints written by transformers: greedy tokens of
+  correctness  a random checkpoint of every family written by transformers: greedy tokens of
                hotstart == transformers in float32 on the device; last-position logits in bf16 close
   checkpoint   `hotstart make-model --family qwen2 --size 7b` (--quick: tiny) on the check's disk
   floor        per round, after dropping the page cache: a read of every weight byte, and
@@ -37,21 +37,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from hotstart import families  # noqa: E402
 from hotstart.bench import evict as ev  # noqa: E402
 from hotstart.bench.process import RunFailed, Server, free_port  # noqa: E402
 
-TINY = {  # as tests/conftest.py: odd sizes on purpose (3 KV heads, explicit head_dim on Qwen3)
-    "qwen2": dict(architectures=["Qwen2ForCausalLM"], hidden_size=96, intermediate_size=200, num_hidden_layers=3,
-                  num_attention_heads=6, num_key_value_heads=3, vocab_size=512, max_position_embeddings=1024,
-                  rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.2),
-    "qwen3": dict(architectures=["Qwen3ForCausalLM"], hidden_size=96, intermediate_size=160, num_hidden_layers=3,
-                  num_attention_heads=6, num_key_value_heads=3, head_dim=24, vocab_size=512,
-                  max_position_embeddings=1024, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                  initializer_range=0.2),
-    "llama": dict(architectures=["LlamaForCausalLM"], hidden_size=80, intermediate_size=144, num_hidden_layers=2,
-                  num_attention_heads=5, num_key_value_heads=1, vocab_size=512, max_position_embeddings=1024,
-                  rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.2, rope_theta=500000.0),
-}
 QUESTION = "What is the capital of France?"
 
 
@@ -80,11 +69,13 @@ class Check:
         t = time.perf_counter()
         try:
             value = fn()
-            self.result["steps"][name] = {"ok": True, "seconds": round(time.perf_counter() - t, 2), **(value or {})}
+            self.result["steps"][name] = {"ok": True, "seconds": round(time.perf_counter() - t, 2),
+                                          **(value or {})}
         except Exception as e:  # noqa: BLE001 - one failed step must not lose the others
             self.log(f"{name} failed: {type(e).__name__}: {e}")
             self.result["steps"][name] = {"ok": False, "seconds": round(time.perf_counter() - t, 2),
-                                          "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+                                          "error": f"{type(e).__name__}: {e}",
+                                          "traceback": traceback.format_exc()[-3000:]}
         self.log(f"{name}: {json.dumps(self.result['steps'][name], default=str)[:600]}")
         self.save()
 
@@ -105,8 +96,8 @@ class Check:
             info["mem_total_gb"] = round(int(f.readline().split()[1]) / 1e6, 1)
         if info["cuda"]:
             p = torch.cuda.get_device_properties(0)
-            info.update(device=p.name, capability=f"{p.major}.{p.minor}", device_mem_gb=round(p.total_memory / 1e9, 1),
-                        device_count=torch.cuda.device_count())
+            info.update(device=p.name, capability=f"{p.major}.{p.minor}",
+                        device_mem_gb=round(p.total_memory / 1e9, 1), device_count=torch.cuda.device_count())
             smi = shutil.which("nvidia-smi")
             if smi:
                 info["nvidia_smi"] = subprocess.run([smi, "--query-gpu=name,driver_version,memory.total",
@@ -125,26 +116,30 @@ class Check:
 
         dev, out = self.args.device, {}
         prompt = [3, 17, 42, 99, 7, 250, 11, 64]
-        for family, kw in TINY.items():
+        for family in families.names():  # the tests' odd-shaped tiny configs (hotstart/families.py)
+            model_type, kw = families.tiny_checkpoints()[family]
             folder = self.work / f"tiny-{family}"
             if not (folder / "config.json").is_file():
                 torch.manual_seed(0)
-                kw = dict(kw)
-                cfg = AutoConfig.for_model(family, **kw)
+                cfg = AutoConfig.for_model(model_type, **kw)
                 AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(folder)
             res = {}
             for dtype in ("float32", "bfloat16"):
-                ref_model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(dev).eval()
+                ref_model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
+                ref_model = ref_model.to(dev).eval()
                 ids = torch.tensor([prompt], device=dev)
                 with torch.no_grad():
                     ref_logits = ref_model(ids).logits[0, -1].float().cpu()
-                    ref_tokens = ref_model.generate(ids, max_new_tokens=32, do_sample=False, min_new_tokens=32,
-                                                    pad_token_id=0)[0, len(prompt):].tolist()
-                ecfg = EngineConfig(model_path=str(folder), weight_files=tuple(map(str, weight_files(folder))),
-                                    device=dev, dtype=dtype, max_model_len=256, kv_cache_memory=32 << 20,
-                                    compile="off")
+                    # eos disabled, not masked: the engine's ignore_eos may still pick the eos token
+                    out_ids = ref_model.generate(ids, max_new_tokens=32, do_sample=False, eos_token_id=None,
+                                                 pad_token_id=0)
+                    ref_tokens = out_ids[0, len(prompt):].tolist()
+                files = tuple(map(str, weight_files(folder)))
+                ecfg = EngineConfig(model_path=str(folder), weight_files=files, device=dev, dtype=dtype,
+                                    max_model_len=256, kv_cache_memory=32 << 20, compile="off")
                 core = EngineCore.build(ecfg)
-                core.add_request(EngineRequest("r", prompt, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)))
+                params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+                core.add_request(EngineRequest("r", prompt, params))
                 tokens = []
                 while core.has_work():
                     for o in core.step():
@@ -172,7 +167,9 @@ class Check:
         self.model = self.work / f"qwen2-{size}"
         if not (self.model / "config.json").is_file():
             cmd = [sys.executable, "-m", "hotstart", "make-model", "--family", "qwen2", "--size", size,
-                   "--out", str(self.model)] + (["--tokenizer", self.args.tokenizer] if self.args.tokenizer else [])
+                   "--out", str(self.model)]
+            if self.args.tokenizer:
+                cmd += ["--tokenizer", self.args.tokenizer]
             subprocess.run(cmd, check=True, timeout=600)
         from hotstart.model.files import sidecar_files, weight_files  # noqa: PLC0415
 
@@ -195,8 +192,9 @@ class Check:
 
     def floor(self) -> dict:
         reads, imports = [], []
-        code = "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()" if self.args.device == "cuda" \
-            else "import torch; torch.zeros(1)"
+        code = "import torch; torch.zeros(1)"
+        if self.args.device == "cuda":
+            code = "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()"
         for _ in range(self.args.runs):
             how = self.drop_caches()
             t = time.perf_counter()
@@ -214,7 +212,8 @@ class Check:
         port = free_port()
         argv = [sys.executable, "-m", "hotstart", "serve", str(self.model), "--port", str(port),
                 "--device", self.args.device, "--max-model-len", "2048", *extra]
-        return Server.launch(argv, port, {**os.environ, "HF_HUB_OFFLINE": "1"}, self.out / "logs", f"serve-{port}")
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        return Server.launch(argv, port, env, self.out / "logs", f"serve-{port}")
 
     def startup(self) -> dict:
         runs = []
@@ -239,7 +238,8 @@ class Check:
                     rec["stop"] = s.stop()
                 if not (mode == "warm" and i == 0):
                     runs.append(rec)
-                self.log(f"startup {mode} {i}: " + json.dumps({k: v for k, v in rec.items() if k != "timeline"}, default=str)[:300])
+                shown = {k: v for k, v in rec.items() if k != "timeline"}
+                self.log(f"startup {mode} {i}: " + json.dumps(shown, default=str)[:300])
         out: dict = {"runs": runs}
         for mode in ("cold", "warm"):
             ok = [r for r in runs if r["mode"] == mode and "t_first" in r]
@@ -258,7 +258,8 @@ class Check:
 
                 client = OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
                 model = client.models.list().data[0].id
-                r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": QUESTION}],
+                r = client.chat.completions.create(model=model,
+                                                   messages=[{"role": "user", "content": QUESTION}],
                                                    temperature=0, max_tokens=16)
                 out["openai_client_answer"] = r.choices[0].message.content
             except ImportError:
@@ -309,7 +310,8 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="tiny models, 1 round: the CPU dry run")
     p.add_argument("--work", default=None, help="where checkpoints are written (default OUT/work)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer files for make-model (default: the embedded model)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer files for make-model (default: the embedded model)")
     p.add_argument("--timeout", type=float, default=240.0, help="seconds from launch to a first answer")
     p.add_argument("--skip", default="", help="comma-separated steps to skip")
     p.add_argument("--fadvise", action="store_true",
@@ -320,14 +322,16 @@ def main() -> int:
     c = Check(args)
     skip = set(filter(None, args.skip.split(",")))
     for name in ("env", "correctness", "checkpoint", "floor", "startup", "serving"):
-        if name in skip or (name in ("floor", "startup", "serving") and not c.result["steps"].get("checkpoint", {}).get("ok")):
+        needs_checkpoint = name in ("floor", "startup", "serving")
+        if name in skip or (needs_checkpoint and not c.result["steps"].get("checkpoint", {}).get("ok")):
             c.result["steps"].setdefault(name, {"ok": None, "skipped": True})
             continue
         c.step(name, getattr(c, name))
     c.result["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     c.save()
     failed = [n for n, s in c.result["steps"].items() if s.get("ok") is False]
-    c.log(f"done: {'all steps ok' if not failed else 'failed: ' + ', '.join(failed)} -> {c.out / 'gpu_check.json'}")
+    verdict = "all steps ok" if not failed else "failed: " + ", ".join(failed)
+    c.log(f"done: {verdict} -> {c.out / 'gpu_check.json'}")
     return 1 if failed else 0
 
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from hotstart import families
+
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 
@@ -51,34 +53,10 @@ def default_model_dir() -> Path:
     return ensure_default_model(quiet=True)
 
 
-# family -> transformers config kwargs (odd sizes on purpose: 3 KV heads, head_dim != hidden / heads)
-TINY = {
-    "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=96, intermediate_size=200,
-                  num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=3, vocab_size=512,
-                  max_position_embeddings=1024, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                  initializer_range=0.2),
-    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=96, intermediate_size=160,
-                  num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=3, head_dim=24, vocab_size=512,
-                  max_position_embeddings=1024, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                  initializer_range=0.2),
-    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=80, intermediate_size=144,
-                  num_hidden_layers=2, num_attention_heads=5, num_key_value_heads=1, vocab_size=512,
-                  max_position_embeddings=1024, rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.2,
-                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                "high_freq_factor": 4.0, "original_max_position_embeddings": 128},
-                  rope_theta=500000.0),
-}
-# Tensor-parallel friendly (4 heads / 2 KV heads, intermediate even): Qwen2 (q/k/v bias), Qwen3 (q/k norm,
-# explicit head_dim, tied embeddings, an odd vocabulary: the last rank's vocab shard is shorter), Llama
-# (attention and MLP bias: the row-parallel layers add theirs after the all-reduce)
-TINY.update({
-    "qwen2-tp": dict(TINY["qwen2"], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2),
-    "qwen3-tp": dict(TINY["qwen3"], hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=24, vocab_size=509),
-    "llama-tp": dict(TINY["llama"], hidden_size=64, intermediate_size=112, num_attention_heads=4,
-                     num_key_value_heads=2, attention_bias=True, mlp_bias=True),
-})
+# test checkpoint name ("qwen2", "qwen2-tp", ...) -> (model_type, transformers config kwargs): every family's
+# odd-shaped tiny config, and a tensor-parallel friendly one (heads and MLP divisible by 2), from the one
+# table of family facts
+TINY = families.tiny_checkpoints()
 
 
 def make_tiny_checkpoint(family: str, out: Path, shard: bool = False, dtype: str = "float32") -> Path:
@@ -86,8 +64,7 @@ def make_tiny_checkpoint(family: str, out: Path, shard: bool = False, dtype: str
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    kwargs = dict(TINY[family])
-    model_type = kwargs.pop("model_type")
+    model_type, kwargs = TINY[family]
     torch.manual_seed(0)
     config = AutoConfig.for_model(model_type, **kwargs)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
@@ -102,7 +79,8 @@ def tiny_checkpoint(tmp_path_factory):
     def get(family: str, shard: bool = False) -> Path:
         key = (family, shard)
         if key not in cache:
-            cache[key] = make_tiny_checkpoint(family, tmp_path_factory.mktemp(f"{family}{'-sharded' if shard else ''}"), shard)
+            folder = tmp_path_factory.mktemp(f"{family}{'-sharded' if shard else ''}")
+            cache[key] = make_tiny_checkpoint(family, folder, shard)
         return cache[key]
 
     return get

@@ -4,7 +4,7 @@ the engine does and run a prefill and a decode step driven by rank 0's broadcast
 gathered logits to OUT.
 
     python tests/tp_ranks.py RANK WORLD INIT_FILE CASES_JSON OUT
-CASES_JSON: [{"name", "model", "fused", "ids"}]. fused=True: the GPU layout (PackedLinear) on the CPU.
+CASES_JSON: [{"name", "model", "fused", "ids"}]. fused=True: the GPU layout (FusedLinear) on the CPU.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ def prefill_and_decode(runner: ModelRunner, ids: list[int]) -> tuple[torch.Tenso
 
 
 def main() -> None:
-    rank, world, init_file, cases, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+    rank, world = int(sys.argv[1]), int(sys.argv[2])
+    init_file, cases, out = sys.argv[3], sys.argv[4], sys.argv[5]
     group = distributed.Group.join(rank, world, torch.device("cpu"), init_file)
     results = {}
     for case in json.loads(cases):

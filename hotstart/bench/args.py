@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from hotstart import families
+
 # bench subcommand -> (module, function(args) -> exit code)
 BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     "startup": ("hotstart.bench.startup", "run_startup_bench"),
@@ -86,10 +88,9 @@ def _add_make_model(sub) -> None:
         "make-model", help="write a random-weight checkpoint with real architecture shapes",
         description="Random normal(0, 0.02) weights (norms = 1) with the shapes of a real model family and "
                     "size, the default model's tokenizer, sharded safetensors streamed at disk speed.")
-    p.add_argument("--family", required=True, choices=["llama", "qwen2", "qwen3"])
-    p.add_argument("--size", default=None,
-                   help="llama: 1b 3b 8b; qwen2: 0.5b 1.5b 3b 7b; qwen3: 0.6b 1.7b 4b 8b; any: tiny "
-                        "(or give the dimensions below)")
+    p.add_argument("--family", required=True, choices=families.names())
+    sizes = "; ".join(f"{f.name}: {' '.join(f.sizes)}" for f in families.FAMILIES)
+    p.add_argument("--size", default=None, help=f"{sizes}; any: tiny (or give the dimensions below)")
     p.add_argument("--out", required=True, help="folder to create (must not exist or be empty)")
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="folder whose tokenizer files the checkpoint gets (default: the embedded model's)")
@@ -102,7 +103,8 @@ def _add_make_model(sub) -> None:
                        ("kv-heads", "num_key_value_heads"), ("head-dim", "head_dim"),
                        ("vocab", "vocab_size (default: the tokenizer's, rounded up to 64)")):
         dims.add_argument(f"--{flag}", type=int, default=None, help=what)
-    dims.add_argument("--tie", dest="tie", action="store_true", default=None, help="tie embeddings and lm_head")
+    dims.add_argument("--tie", dest="tie", action="store_true", default=None,
+                      help="tie embeddings and lm_head")
     dims.add_argument("--no-tie", dest="tie", action="store_false", help="separate lm_head")
 
 

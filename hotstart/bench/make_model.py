@@ -1,9 +1,9 @@
 """`hotstart make-model`: a random-weight checkpoint with a real model's shapes, written at disk speed.
 
-Shapes come from the published config.json of each model (Llama-3.2-1B/3B, Llama-3-8B, Qwen2.5-0.5B/
-1.5B/3B/7B, Qwen3-0.6B/1.7B/4B/8B); the vocabulary is the default model's tokenizer (its files are
-copied), so a server can really tokenize, chat and detokenize with it. Values are normal(0, 0.02)
-(norm weights 1): the output is gibberish, but every startup cost (bytes, tensors, shapes) is real.
+Shapes come from the published config.json of each model (the sizes of hotstart/families.py); the
+vocabulary is the default model's tokenizer (its files are copied), so a server can really tokenize,
+chat and detokenize with it. Values are normal(0, 0.02) (norm weights 1): the output is gibberish, but
+every startup cost (bytes, tensors, shapes) is real.
 
 The safetensors files are written here, not by the safetensors package, so the model never sits in
 RAM: a pool of random values is made once and each tensor is streamed from random offsets into it.
@@ -24,30 +24,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from hotstart import families
 from hotstart.errors import HotstartError
+from hotstart.model_config import parse_model_config
 
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-FAMILIES = {  # family -> (architecture, rms_norm_eps, rope_parameters, max_position_embeddings)
-    "llama": ("LlamaForCausalLM", 1e-5, LLAMA3_ROPE, 131072),
-    "qwen2": ("Qwen2ForCausalLM", 1e-6, {"rope_type": "default", "rope_theta": 1000000.0}, 32768),
-    "qwen3": ("Qwen3ForCausalLM", 1e-6, {"rope_type": "default", "rope_theta": 1000000.0}, 40960),
-}
-# (hidden, intermediate, layers, heads, kv_heads, head_dim or None, tied), from the real config.json files
-SIZES = {
-    "llama": {"1b": (2048, 8192, 16, 32, 8, 64, True), "3b": (3072, 8192, 28, 24, 8, 128, True),
-              "8b": (4096, 14336, 32, 32, 8, 128, False)},
-    "qwen2": {"0.5b": (896, 4864, 24, 14, 2, None, True), "1.5b": (1536, 8960, 28, 12, 2, None, True),
-              "3b": (2048, 11008, 36, 16, 2, None, True), "7b": (3584, 18944, 28, 28, 4, None, False)},
-    "qwen3": {"0.6b": (1024, 3072, 28, 16, 8, 128, True), "1.7b": (2048, 6144, 28, 16, 8, 128, True),
-              "4b": (2560, 9728, 36, 32, 8, 128, True), "8b": (4096, 12288, 36, 32, 8, 128, False)},
-}
-TINY = (128, 384, 2, 4, 2, 32, True)
-# Llama-3-8B has no rope scaling and an 8k context (Llama-3.1 added them).
-OVERRIDES = {("llama", "8b"): {"rope": {"rope_type": "default", "rope_theta": 500000.0}, "max_pos": 8192}}
 DTYPES = {"bfloat16": ("BF16", 2), "float16": ("F16", 2), "float32": ("F32", 4)}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
-                   "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                   "special_tokens_map.json", "generation_config.json")
 POOL = 8 << 20  # random values made once (16 MiB in bf16)
 CHUNK = 4 << 20  # values per write
 
@@ -76,25 +59,27 @@ def tokenizer_vocab(tokenizer_json: Path) -> int:
 
 def build_config(args: argparse.Namespace, vocab: int, special: dict) -> dict:
     """config.json for FAMILY/SIZE with the overrides on the command line; validated."""
-    fam = args.family
-    arch, eps, rope, max_pos = FAMILIES[fam]
+    fam = families.by_name(args.family)
     size = (args.size or "").lower()
+    extra = dict(fam.make_config)
     if size == "tiny":
-        base = TINY
+        base = families.MAKE_TINY
     elif size:
-        if size not in SIZES[fam]:
-            raise HotstartError(f"--size {args.size!r} for {fam}: known sizes: {', '.join(SIZES[fam])}, tiny")
-        base = SIZES[fam][size]
-        over = OVERRIDES.get((fam, size), {})
-        rope, max_pos = over.get("rope", rope), over.get("max_pos", max_pos)
+        if size not in fam.sizes:
+            known = ", ".join([*fam.sizes, "tiny"])
+            raise HotstartError(f"--size {args.size!r} for {fam.name}: known sizes: {known}")
+        base = fam.sizes[size]
+        extra.update(fam.size_config.get(size, {}))
     else:
-        missing = [f"--{n}" for n in ("hidden", "intermediate", "layers", "heads") if getattr(args, n) is None]
+        dims = ("hidden", "intermediate", "layers", "heads")
+        missing = [f"--{n}" for n in dims if getattr(args, n) is None]
         if missing:
             raise HotstartError(f"give --size, or the dimensions ({' '.join(missing)} missing)")
-        base = (None, None, None, None, None, None, True)
+        base = families.Shape(None, None, None, None, None, None, True)
     hidden, inter, layers, heads, kv, head_dim, tied = base
     pick = lambda given, default: default if given is None else given  # noqa: E731
-    hidden, inter, layers = pick(args.hidden, hidden), pick(args.intermediate, inter), pick(args.layers, layers)
+    hidden, inter = pick(args.hidden, hidden), pick(args.intermediate, inter)
+    layers = pick(args.layers, layers)
     heads, head_dim, tied = pick(args.heads, heads), pick(args.head_dim, head_dim), pick(args.tie, tied)
     kv = pick(args.kv_heads, kv if args.heads is None else heads)
     for name, v in (("hidden", hidden), ("intermediate", inter), ("layers", layers), ("heads", heads),
@@ -105,48 +90,48 @@ def build_config(args: argparse.Namespace, vocab: int, special: dict) -> dict:
         raise HotstartError(f"--heads ({heads}) must be a multiple of --kv-heads ({kv})")
     if head_dim is None:
         if hidden % heads:
-            raise HotstartError(f"--hidden ({hidden}) is not a multiple of --heads ({heads}): give --head-dim")
+            raise HotstartError(f"--hidden ({hidden}) is not a multiple of --heads ({heads}): "
+                                "give --head-dim")
         head_dim = hidden // heads
     if args.vocab is not None and args.vocab < vocab:
         raise HotstartError(f"--vocab {args.vocab} is smaller than the tokenizer's {vocab} tokens")
-    cfg = {
-        "architectures": [arch], "model_type": fam, "hidden_size": hidden, "intermediate_size": inter,
-        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim,
-        "hidden_act": "silu", "max_position_embeddings": max_pos, "rms_norm_eps": eps,
-        "rope_parameters": dict(rope), "tie_word_embeddings": tied,
+    return {
+        "architectures": [fam.architectures[0]], "model_type": fam.model_type, "hidden_size": hidden,
+        "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv, "head_dim": head_dim, "hidden_act": "silu", **extra,
+        "tie_word_embeddings": tied,
         "vocab_size": args.vocab or -(-vocab // 64) * 64, "dtype": args.dtype, "initializer_range": 0.02,
         "attention_dropout": 0.0, "use_cache": True, **special,
     }
-    if fam == "llama":
-        cfg.update(attention_bias=False, mlp_bias=False)
-    else:
-        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=layers)
-        if fam == "qwen3":
-            cfg["attention_bias"] = False
-    return cfg
 
 
 def tensor_plan(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, shape, fill) in load order; fill is "normal" or "ones" (RMSNorm weights)."""
-    h, i, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
-    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    out = [("model.embed_tokens.weight", (cfg["vocab_size"], h), "normal")]
-    for n in range(cfg["num_hidden_layers"]):
+    """(name, shape, fill) in load order; fill is "normal" or "ones" (RMSNorm weights). Which tensors a
+    layer has (biases, q/k norms) is what hotstart's own parser reads from CFG (model_config.py)."""
+    mc = parse_model_config(cfg, Path("config.json"))
+    h, i, hd = mc.hidden_size, mc.intermediate_size, mc.head_dim
+    out = [("model.embed_tokens.weight", (mc.vocab_size, h), "normal")]
+
+    def linear(name: str, rows: int, cols: int, bias: bool) -> None:
+        out.append((name + ".weight", (rows, cols), "normal"))
+        if bias:
+            out.append((name + ".bias", (rows,), "normal"))
+
+    for n in range(mc.num_hidden_layers):
         p = f"model.layers.{n}."
         out.append((p + "input_layernorm.weight", (h,), "ones"))
-        for proj, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-            out.append((p + f"self_attn.{proj}.weight", (rows, h), "normal"))
-            if cfg["model_type"] == "qwen2":  # Qwen2 has q/k/v biases
-                out.append((p + f"self_attn.{proj}.bias", (rows,), "normal"))
-        out.append((p + "self_attn.o_proj.weight", (h, q), "normal"))
-        if cfg["model_type"] == "qwen3":  # per-head RMSNorm on q and k
-            out += [(p + "self_attn.q_norm.weight", (hd,), "ones"), (p + "self_attn.k_norm.weight", (hd,), "ones")]
+        for proj, rows in (("q_proj", mc.q_size), ("k_proj", mc.kv_size), ("v_proj", mc.kv_size)):
+            linear(p + f"self_attn.{proj}", rows, h, mc.qkv_bias)
+        linear(p + "self_attn.o_proj", h, mc.q_size, mc.o_bias)
+        if mc.qk_norm:  # per-head RMSNorm on q and k
+            out += [(p + f"self_attn.{n}.weight", (hd,), "ones") for n in ("q_norm", "k_norm")]
         out.append((p + "post_attention_layernorm.weight", (h,), "ones"))
-        out += [(p + "mlp.gate_proj.weight", (i, h), "normal"), (p + "mlp.up_proj.weight", (i, h), "normal"),
-                (p + "mlp.down_proj.weight", (h, i), "normal")]
+        linear(p + "mlp.gate_proj", i, h, mc.mlp_bias)
+        linear(p + "mlp.up_proj", i, h, mc.mlp_bias)
+        linear(p + "mlp.down_proj", h, i, mc.mlp_bias)
     out.append(("model.norm.weight", (h,), "ones"))
-    if not cfg["tie_word_embeddings"]:
-        out.append(("lm_head.weight", (cfg["vocab_size"], h), "normal"))
+    if not mc.tie_word_embeddings:
+        out.append(("lm_head.weight", (mc.vocab_size, h), "normal"))
     return out
 
 
@@ -246,7 +231,8 @@ def run_make_model(args: argparse.Namespace) -> int:
     out = Path(args.out).expanduser().resolve()
     shard_limit = parse_size(args.shard_size)
     _prepare_out(out)
-    tok_dir = Path(args.tokenizer).expanduser() if getattr(args, "tokenizer", None) else _default_tokenizer_dir()
+    given = getattr(args, "tokenizer", None)
+    tok_dir = Path(given).expanduser() if given else _default_tokenizer_dir()
     if not (tok_dir / "tokenizer.json").is_file() or not (tok_dir / "config.json").is_file():
         raise HotstartError(f"--tokenizer {tok_dir}: needs tokenizer.json and config.json")
     src_cfg = json.loads((tok_dir / "config.json").read_text())
@@ -257,13 +243,15 @@ def run_make_model(args: argparse.Namespace) -> int:
     total = sum(_numel(s) for _, s, _ in plan) * itemsize
     free = shutil.disk_usage(out.parent).free
     if total * 1.02 + (64 << 20) > free:
-        raise HotstartError(f"{out.parent}: {free / 1e9:.1f} GB free, the checkpoint needs {total / 1e9:.1f} GB")
+        raise HotstartError(f"{out.parent}: {free / 1e9:.1f} GB free, "
+                            f"the checkpoint needs {total / 1e9:.1f} GB")
     shards = shard(plan, itemsize, shard_limit)
     names = ["model.safetensors"] if len(shards) == 1 else \
         [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
     params = total // itemsize
-    print(f"hotstart make-model: {cfg['architectures'][0]} {args.size or 'custom'}: {params / 1e9:.2f}B params, "
-          f"{total / 1e9:.2f} GB {args.dtype} in {len(shards)} file(s) -> {out}", file=sys.stderr, flush=True)
+    print(f"hotstart make-model: {cfg['architectures'][0]} {args.size or 'custom'}: "
+          f"{params / 1e9:.2f}B params, {total / 1e9:.2f} GB {args.dtype} in {len(shards)} file(s) -> {out}",
+          file=sys.stderr, flush=True)
     # Written beside OUT and renamed at the end: an interrupted run leaves no half checkpoint behind.
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:

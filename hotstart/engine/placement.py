@@ -53,8 +53,11 @@ def _native_cpu_dtypes() -> set[str]:
 
 
 def max_model_len_for(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
+    """The context the engine serves: --max-model-len, else the model's max_position_embeddings; refused
+    where the model's config asks for what the engine does not implement at that length (a sliding window)."""
     limit = model_cfg.max_position_embeddings
     if cfg.max_model_len is None:
+        model_cfg.check_context(limit)
         return limit
     if cfg.max_model_len > limit:
         raise HotstartError(
@@ -62,6 +65,7 @@ def max_model_len_for(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
         )
     if cfg.max_model_len < 1:
         raise HotstartError(f"--max-model-len must be >= 1, got {cfg.max_model_len}")
+    model_cfg.check_context(cfg.max_model_len)
     return cfg.max_model_len
 
 
@@ -73,19 +77,24 @@ def cpu_kv_budget(need: int, one_seq: int, mem_available: int | None, weight_byt
     (mlocked ones, as a zygote's --keep, are not in MemAvailable: then this is conservative).
     MemAvailable unknown: CPU_KV_CACHE_CAP. HotstartError when not even ONE_SEQ fits."""
     if mem_available is None:
-        return max(one_seq, min(need, CPU_KV_CACHE_CAP)), f"MemAvailable unknown: at most {_gib(CPU_KV_CACHE_CAP)}"
+        return max(one_seq, min(need, CPU_KV_CACHE_CAP)), \
+            f"MemAvailable unknown: at most {_gib(CPU_KV_CACHE_CAP)}"
     free = mem_available - weight_bytes
-    beside = f"MemAvailable {_gib(mem_available)}" + (f" - weights {_gib(weight_bytes)}" if weight_bytes else "")
+    beside = f"MemAvailable {_gib(mem_available)}"
+    if weight_bytes:
+        beside += f" - weights {_gib(weight_bytes)}"
     if one_seq > free:
         raise HotstartError(
             f"not enough memory for the KV cache: one sequence of --max-model-len needs {_gib(one_seq)}, "
-            f"{beside} leaves {_gib(max(free, 0))}; lower --max-model-len, free memory, or set --kv-cache-memory")
+            f"{beside} leaves {_gib(max(free, 0))}; lower --max-model-len, free memory, or set "
+            "--kv-cache-memory")
     cap = int(free * CPU_KV_MEMORY_FRACTION)
     if need <= cap:
         return need, beside
     if one_seq > cap:
         return one_seq, f"one sequence: {CPU_KV_MEMORY_FRACTION:.0%} of {beside} holds less"
-    return cap, f"{CPU_KV_MEMORY_FRACTION:.0%} of {beside}; max-num-seqs x max-model-len would take {_gib(need)}"
+    return cap, (f"{CPU_KV_MEMORY_FRACTION:.0%} of {beside}; max-num-seqs x max-model-len would take "
+                 f"{_gib(need)}")
 
 
 def _gib(n: int) -> str:
@@ -110,9 +119,10 @@ def kv_cache_blocks(cfg: EngineConfig, per_token: int, max_model_len: int, devic
     blocks = budget // block_bytes
     if blocks < blocks_for(max_model_len, cfg.block_size):
         raise HotstartError(
-            f"not enough memory for the KV cache: {max(budget, 0) / 2**20:.0f} MiB holds {max(blocks, 0) * cfg.block_size} "
-            f"tokens, one sequence of --max-model-len {max_model_len} needs {max_model_len}; lower --max-model-len "
-            "or give more memory (--kv-cache-memory / --gpu-memory-utilization)"
+            f"not enough memory for the KV cache: {max(budget, 0) / 2**20:.0f} MiB holds "
+            f"{max(blocks, 0) * cfg.block_size} tokens, one sequence of --max-model-len {max_model_len} "
+            f"needs {max_model_len}; lower --max-model-len or give more memory (--kv-cache-memory / "
+            "--gpu-memory-utilization)"
         )
     seqs = min(cfg.max_num_seqs, blocks * cfg.block_size // max_model_len)
     return int(blocks), f"{_gib(blocks * block_bytes)}: {seqs} seqs x {max_model_len} tokens; {why}"

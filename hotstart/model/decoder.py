@@ -1,10 +1,10 @@
-"""The decoder-only causal LM shared by Llama (2/3, SmolLM2, Mistral-style), Qwen2/2.5 and Qwen3.
+"""The decoder-only causal LM every family subclasses (hotstart/model/families/): embedding, a stack of
+the family's decoder layers, final norm, LM head (tied or not).
 
-The families differ only in flags read from config.json (ModelConfig): attention bias (Qwen2),
-q/k RMSNorm and explicit head_dim (Qwen3), tied embeddings, rope scaling. Parameter names follow
-the Hugging Face checkpoints. With fused=True the q/k/v and gate/up projections are packed into one
-matmul each (layers.PackedLinear; worth it on GPUs, where weights are copied anyway); with fused=False
-every parameter is a checkpoint tensor as-is, so on CPU it can be a zero-copy view of the file.
+Parameter names follow the Hugging Face checkpoints. With fused=True the q/k/v and gate/up projections
+are fused into one matmul each (layers.FusedLinear; worth it on GPUs, where weights are copied anyway);
+with fused=False every parameter is a checkpoint tensor as-is, so on CPU it can be a zero-copy view of
+the file.
 """
 
 from __future__ import annotations
@@ -12,29 +12,35 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hotstart.config import ModelConfig
 from hotstart.model import packed
 from hotstart.model.attention import AttnMetadata
 from hotstart.model.layers import DecoderLayer, Embedding, Linear, RMSNorm, RotaryEmbedding
+from hotstart.model_config import ModelConfig
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int, fused: bool):
+    def __init__(self, cfg: ModelConfig, max_positions: int, fused: bool, layer_class: type[nn.Module]):
         super().__init__()
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, fused) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(layer_class(cfg, fused) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
+    """A family's model: a subclass names its decoder layer, which implements attn_inputs / finish around
+    self_attn.attend (layers.DecoderLayer: the compiled fast path relies on that split)."""
+
+    layer_class: type[nn.Module] = DecoderLayer
+
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None, fused: bool = True):
         super().__init__()
         self.cfg, self.fused = cfg, fused
-        self.model = Backbone(cfg, max_positions or cfg.max_position_embeddings, fused)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.model = Backbone(cfg, max_positions or cfg.max_position_embeddings, fused, self.layer_class)
+        tied = cfg.tie_word_embeddings
+        self.lm_head = None if tied else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.lm_head_packed: torch.Tensor | None = None  # oneDNN layout of output_weight(), set between steps
-        self.tp = None  # model/parallel.py TensorParallel: this model is one rank's part (set by parallel.shard)
+        self.tp = None  # parallel.TensorParallel: this model is one rank's part (set by parallel.shard)
 
     def post_load(self, device: torch.device, dtype: torch.dtype) -> None:
         """Build non-persistent state (rotary table) once real weights are in place."""
@@ -53,7 +59,7 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        # hidden: [N, hidden] -> logits: [N, vocab] in float32 (tensor parallel: gathered on rank 0, None elsewhere)
+        # hidden: [N, hidden] -> logits: [N, vocab] float32 (tensor parallel: gathered on rank 0, else None)
         if self.lm_head_packed is not None:
             logits = packed.linear(hidden, self.lm_head_packed, None).float()
         else:

@@ -39,8 +39,8 @@ class LayerSpec:
     @classmethod
     def of(cls, cfg: ModelConfig) -> LayerSpec:
         return cls(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                   cfg.intermediate_size, cfg.rms_norm_eps, cfg.attention_bias,
-                   cfg.attention_bias and cfg.family != "qwen2", cfg.mlp_bias, cfg.qk_norm)
+                   cfg.intermediate_size, cfg.rms_norm_eps, cfg.qkv_bias, cfg.o_bias, cfg.mlp_bias,
+                   cfg.qk_norm)
 
     def as_dict(self) -> dict:
         return asdict(self)

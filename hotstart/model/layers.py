@@ -1,4 +1,6 @@
-"""Blocks shared by every model family: RMSNorm, rotary embedding, paged attention, gated MLP.
+"""Blocks shared by every model family: linear layers, RMSNorm, rotary embedding, paged attention, gated
+MLP, and the pre-norm decoder layer the families build from them (hotstart/model/families/). What differs
+between families is a ModelConfig flag (hotstart/families.py), read here; no block names a family.
 
 Tokens of all sequences in a step are flattened into one batch dimension T (varlen, like vLLM):
 linear layers see [T, hidden]; only attention regroups them per sequence (model/attention.py).
@@ -12,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hotstart.config import ModelConfig, RopeConfig
 from hotstart.model import packed
 from hotstart.model.attention import AttnMetadata, paged_attention
+from hotstart.model_config import ModelConfig, RopeConfig
 
 
 class Linear(nn.Module):
@@ -25,7 +27,7 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self.packed: torch.Tensor | None = None  # oneDNN layout of weight, set between steps (model/packed.py)
+        self.packed: torch.Tensor | None = None  # oneDNN layout of weight, set between steps (packed.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -33,8 +35,9 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class PackedLinear(Linear):
-    """Several checkpoint projections stacked along dim 0 into one matmul (q/k/v, gate/up).
+class FusedLinear(Linear):
+    """Several checkpoint projections stacked along dim 0 into one matmul (q/k/v, gate/up): the GPU layout,
+    where weights are copied anyway (on CPU they stay separate zero-copy views of the file).
 
     `shards` is the layout, the one place it is written: checkpoint projection name (a sibling of
     this module in the checkpoint, e.g. "q_proj") -> (first row, rows). The loader fills the rows of
@@ -54,7 +57,8 @@ class PackedLinear(Linear):
 
     def take_rank_rows(self, rank: int, world_size: int) -> None:
         """Rank RANK of WORLD_SIZE: each shard is that rank's contiguous share of its projection."""
-        self.sources = {name: (rank * rows, rows, rows * world_size) for name, (_, rows) in self.shards.items()}
+        self.sources = {name: (rank * rows, rows, rows * world_size)
+                        for name, (_, rows) in self.shards.items()}
 
     def forward_split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # x: [T, in] -> one [T, rows] tensor per shard, in layout order
@@ -134,18 +138,18 @@ class RotaryEmbedding(nn.Module):
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, fused: bool):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.fused = fused
         if fused:
-            self.qkv_proj = PackedLinear(cfg.hidden_size, {"q_proj": self.q_size, "k_proj": self.kv_size,
-                                                           "v_proj": self.kv_size}, bias=cfg.attention_bias)
+            shards = {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size}
+            self.qkv_proj = FusedLinear(cfg.hidden_size, shards, bias=cfg.qkv_bias)
         else:
-            self.q_proj = Linear(cfg.hidden_size, self.q_size, bias=cfg.attention_bias)
-            self.k_proj = Linear(cfg.hidden_size, self.kv_size, bias=cfg.attention_bias)
-            self.v_proj = Linear(cfg.hidden_size, self.kv_size, bias=cfg.attention_bias)
-        # Qwen2 puts a bias on q/k/v only; Llama's attention_bias and Qwen3's cover o_proj too.
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias and cfg.family != "qwen2")
+            self.q_proj = Linear(cfg.hidden_size, self.q_size, bias=cfg.qkv_bias)
+            self.k_proj = Linear(cfg.hidden_size, self.kv_size, bias=cfg.qkv_bias)
+            self.v_proj = Linear(cfg.hidden_size, self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.head_dim**-0.5
@@ -172,7 +176,8 @@ class Attention(nn.Module):
         q: [T, H, D], k, v: [T, KVH, D] -> o: [T, H * D] (before o_proj)."""
         self.k_cache[:, meta.slot_mapping] = k.transpose(0, 1)  # cache: [KVH, slots, D]
         self.v_cache[:, meta.slot_mapping] = v.transpose(0, 1)
-        return paged_attention(q, self.k_cache, self.v_cache, meta, self.scale).reshape(q.shape[0], self.q_size)
+        o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
+        return o.reshape(q.shape[0], self.q_size)
 
 
 class GatedMLP(nn.Module):
@@ -180,8 +185,8 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.intermediate, self.fused = cfg.intermediate_size, fused
         if fused:
-            self.gate_up_proj = PackedLinear(cfg.hidden_size, {"gate_proj": cfg.intermediate_size,
-                                                               "up_proj": cfg.intermediate_size}, bias=cfg.mlp_bias)
+            shards = {"gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size}
+            self.gate_up_proj = FusedLinear(cfg.hidden_size, shards, bias=cfg.mlp_bias)
         else:
             self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
             self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
@@ -196,6 +201,8 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm: x + attn(norm(x)), then x + mlp(norm(x))."""
+
     def __init__(self, cfg: ModelConfig, fused: bool):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

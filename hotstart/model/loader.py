@@ -4,8 +4,8 @@ Files are read in the given order and tensors in file-offset order (sequential I
 is published through on_progress (the engine feeds the LoadCursor that keeps the API process's
 prefetcher just ahead). Unfused tensors are assigned: on CPU in the checkpoint's dtype that is a
 zero-copy view of the (page-cached) file, so a warm load costs almost nothing and the weights are
-not held twice in RAM. Fused projections (qkv, gate_up; GPUs) are copied once into their packed
-parameter.
+not held twice in RAM. Fused projections (qkv, gate_up; GPUs) are copied once into their fused
+parameter. The model class is the family's (model/registry.py).
 """
 
 from __future__ import annotations
@@ -17,26 +17,26 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hotstart.config import ModelConfig
 from hotstart.errors import WeightsError
-from hotstart.model import arrival, parallel
+from hotstart.model import arrival, parallel, registry
 from hotstart.model.decoder import CausalLM
-from hotstart.model.layers import PackedLinear
+from hotstart.model.layers import FusedLinear
 from hotstart.model.safetensors_io import PageToucher, SafetensorsFile
 from hotstart.model.upload import StagedCopier
+from hotstart.model_config import ModelConfig
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 FLOAT_DTYPES = {"F32", "F16", "BF16"}
 
 
 def _checkpoint_names(model: nn.Module) -> dict[str, tuple[str, str | None]]:
-    """Checkpoint tensor name -> (model parameter name, shard of a PackedLinear or None), from the
-    modules themselves: a packed module's shards are its siblings in the checkpoint."""
+    """Checkpoint tensor name -> (model parameter name, shard of a FusedLinear or None), from the
+    modules themselves: a fused module's shards are its siblings in the checkpoint."""
     out: dict[str, tuple[str, str | None]] = {}
     for path, module in model.named_modules():
         for leaf, _ in module.named_parameters(recurse=False):
             param = f"{path}.{leaf}" if path else leaf
-            if isinstance(module, PackedLinear):
+            if isinstance(module, FusedLinear):
                 parent = path.rpartition(".")[0]
                 out.update({f"{parent}.{shard}.{leaf}": (param, shard) for shard in module.shards})
             else:
@@ -60,9 +60,10 @@ def load_model(
     fused: bool | None = None,
     tp: parallel.TensorParallel | None = None,
 ) -> CausalLM:
-    """Build CausalLM(cfg) and fill every parameter from FILES. on_progress gets the global byte offset
-    (sum of earlier file sizes + offset in the current file) after each tensor. fused: pack q/k/v and
-    gate/up (default: on GPUs only). tp: build and fill only rank tp.rank's part (model/parallel.py)."""
+    """Build CFG's model (its family's CausalLM, model/registry.py) and fill every parameter from FILES.
+    on_progress gets the global byte offset (sum of earlier file sizes + offset in the current file) after
+    each tensor. fused: fuse q/k/v and gate/up (default: on GPUs only). tp: build and fill only rank
+    tp.rank's part (model/parallel.py)."""
     device = torch.device(device)
     if fused is None:
         fused = device.type != "cpu"
@@ -70,14 +71,14 @@ def load_model(
         model = _build(cfg, max_positions, fused, tp)
     expected = {n: p for n, p in model.named_parameters()}
     names = _checkpoint_names(model)
-    filled: dict[str, set[str | None]] = {}  # parameter -> shards loaded (None: not packed)
-    packed_buffers: dict[str, torch.Tensor] = {}
+    filled: dict[str, set[str | None]] = {}  # parameter -> shards loaded (None: not fused)
+    fused_buffers: dict[str, torch.Tensor] = {}
 
-    def packed_buffer(target: str, shape) -> torch.Tensor:
-        """The fused parameter TARGET (q/k/v or gate/up packed), allocated at its first shard."""
-        buf = packed_buffers.get(target)
+    def fused_buffer(target: str, shape) -> torch.Tensor:
+        """The fused parameter TARGET (q/k/v or gate/up), allocated at its first shard."""
+        buf = fused_buffers.get(target)
         if buf is None:
-            buf = packed_buffers[target] = torch.empty(shape, device=device, dtype=dtype)
+            buf = fused_buffers[target] = torch.empty(shape, device=device, dtype=dtype)
             _set_param(model, target, buf)
         return buf
 
@@ -100,7 +101,8 @@ def load_model(
                         continue  # tied: the embedding serves as the output projection
                     raise WeightsError(f"{path}: unexpected tensor '{name}' for {cfg.architecture}")
                 if info.dtype not in FLOAT_DTYPES:
-                    raise WeightsError(f"{path}: tensor '{name}' has dtype {info.dtype}, expected a float dtype")
+                    raise WeightsError(f"{path}: tensor '{name}' has dtype {info.dtype}, "
+                                       "expected a float dtype")
                 meta = expected[target]
                 split = parallel.split_of(model, target, proj) if tp is not None else None
                 if proj is None:
@@ -109,7 +111,8 @@ def load_model(
                     start, size = model.get_submodule(target.rpartition(".")[0]).shards[proj]
                     want = parallel.full_shape((size, *meta.shape[1:]), split)
                 if info.shape != want:
-                    raise WeightsError(f"{path}: tensor '{name}' has shape {list(info.shape)}, expected {list(want)}")
+                    raise WeightsError(f"{path}: tensor '{name}' has shape {list(info.shape)}, "
+                                       f"expected {list(want)}")
                 arrived(info.end)  # its bytes are in (a no-op unless the file is still downloading)
                 src = st.get(info) if split is None else parallel.rank_part(st, info, split)
                 if staged is not None:
@@ -119,7 +122,7 @@ def load_model(
                         param = torch.empty(src.shape, device=device, dtype=dtype)
                         _set_param(model, target, param)
                     else:
-                        param = packed_buffer(target, meta.shape)[start:start + size]
+                        param = fused_buffer(target, meta.shape)[start:start + size]
                     staged.copy(param, src)
                 elif proj is None:
                     param = src.to(device=device, dtype=dtype).contiguous()  # a column range is copied
@@ -128,7 +131,7 @@ def load_model(
                         toucher.touch(param)
                     _set_param(model, target, param)
                 else:
-                    packed_buffer(target, meta.shape)[start:start + size].copy_(src)
+                    fused_buffer(target, meta.shape)[start:start + size].copy_(src)
                 filled.setdefault(target, set()).add(proj)
                 if on_progress is not None:
                     on_progress(base + info.end)
@@ -147,10 +150,12 @@ def load_model(
     return model.eval()
 
 
-def _build(cfg: ModelConfig, max_positions: int | None, fused: bool, tp: parallel.TensorParallel | None) -> CausalLM:
+def _build(cfg: ModelConfig, max_positions: int | None, fused: bool,
+           tp: parallel.TensorParallel | None) -> CausalLM:
     """The model on the current (meta) device: whole, or rank tp.rank's part of it."""
+    model_class = registry.model_class(cfg)
     if tp is None:
-        return CausalLM(cfg, max_positions, fused)
-    model = CausalLM(parallel.local_config(cfg, tp.world_size), max_positions, fused)
+        return model_class(cfg, max_positions, fused)
+    model = model_class(parallel.local_config(cfg, tp.world_size), max_positions, fused)
     parallel.shard(model, tp)
     return model

@@ -2,7 +2,7 @@
 layers whose forward needs a collective.
 
   column-parallel  q/k/v, gate/up (each rank: a contiguous range of output rows; fused on GPUs, the
-                   PackedLinear's per-rank `sources`), and the LM head over the vocabulary
+                   FusedLinear's per-rank `sources`), and the LM head over the vocabulary
   row-parallel     o_proj, down_proj (each rank: a range of input columns); the partial outputs are
                    summed by one all-reduce, the bias is added once, after it
   vocab-parallel   the embedding: ids outside a rank's rows give zeros, an all-reduce sums the rows;
@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hotstart.config import ModelConfig
 from hotstart.errors import HotstartError
 from hotstart.model import packed
-from hotstart.model.layers import Embedding, Linear, PackedLinear
+from hotstart.model.layers import Embedding, FusedLinear, Linear
+from hotstart.model_config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -81,8 +81,8 @@ def local_config(cfg: ModelConfig, world_size: int) -> ModelConfig:
 
 def divisibility_error(cfg: ModelConfig, n: int) -> str | None:
     """Why the model cannot be split over N ranks (the numbers named), or None."""
-    sizes = (("num_attention_heads", cfg.num_attention_heads), ("num_key_value_heads", cfg.num_key_value_heads),
-             ("intermediate_size", cfg.intermediate_size))
+    sizes = (("num_attention_heads", cfg.num_attention_heads),
+             ("num_key_value_heads", cfg.num_key_value_heads), ("intermediate_size", cfg.intermediate_size))
     bad = [f"{name} ({value})" for name, value in sizes if value % n]
     if not bad:
         return None
@@ -142,7 +142,7 @@ def shard(model, tp: TensorParallel) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         for m in ([attn.qkv_proj] if attn.fused else [attn.q_proj, attn.k_proj, attn.v_proj]) + \
                  ([mlp.gate_up_proj] if mlp.fused else [mlp.gate_proj, mlp.up_proj]):
-            if isinstance(m, PackedLinear):
+            if isinstance(m, FusedLinear):
                 m.take_rank_rows(tp.rank, tp.world_size)
             else:
                 _column(m, tp)
@@ -158,7 +158,7 @@ def shard(model, tp: TensorParallel) -> None:
 # ---- what the loader reads --------------------------------------------------------------------------
 
 def split_of(model, param: str, proj: str | None) -> Split | None:
-    """The slice of the checkpoint tensor behind PARAM (of packed projection PROJ) this rank holds."""
+    """The slice of the checkpoint tensor behind PARAM (of fused projection PROJ) this rank holds."""
     module_name, _, leaf = param.rpartition(".")
     module = model.get_submodule(module_name)
     if proj is not None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from hotstart import families
 from hotstart.bench import make_model as mm
 from hotstart.config import load_model_config
 from hotstart.errors import HotstartError
@@ -29,7 +30,7 @@ def read_header(path: Path) -> tuple[dict, int]:
         return json.loads(f.read(n)), 8 + n
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
+@pytest.mark.parametrize("family", families.names())
 def test_tiny_checkpoint_loads_everywhere(tmp_path, family, default_model_dir):
     import torch
     from safetensors import safe_open
@@ -88,7 +89,7 @@ def test_custom_dims_and_single_file(tmp_path, default_model_dir):
     assert res.returncode == 0, res.stderr
     cfg = load_model_config(out)
     assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_key_value_heads, cfg.head_dim) == (64, 96, 2, 16)
-    assert cfg.attention_bias and cfg.torch_dtype == "float32"
+    assert cfg.qkv_bias and not cfg.o_bias and cfg.torch_dtype == "float32"
     assert (out / "model.safetensors").is_file() and not (out / "model.safetensors.index.json").exists()
     header, _ = read_header(out / "model.safetensors")
     bias = header["model.layers.0.self_attn.k_proj.bias"]
@@ -96,7 +97,8 @@ def test_custom_dims_and_single_file(tmp_path, default_model_dir):
 
 
 def test_real_sizes_match_published_shapes():
-    ns = dict(size=None, layers=None, hidden=None, intermediate=None, heads=None, kv_heads=None, head_dim=None,
+    ns = dict(size=None, layers=None, hidden=None, intermediate=None, heads=None, kv_heads=None,
+              head_dim=None,
               vocab=None, tie=None, dtype="bfloat16")
 
     def params(family, size, vocab):
@@ -109,6 +111,7 @@ def test_real_sizes_match_published_shapes():
     assert params("qwen3", "0.6b", 151936) == pytest.approx(0.596, abs=0.005)
     assert params("llama", "1b", 128256) == pytest.approx(1.236, abs=0.005)
     assert params("llama", "8b", 128256) == pytest.approx(8.03, abs=0.01)
+    assert params("mistral", "7b", 32768) == pytest.approx(7.248, abs=0.005)  # Mistral-7B-v0.3
 
 
 @pytest.mark.parametrize("args,message", [
@@ -120,7 +123,8 @@ def test_real_sizes_match_published_shapes():
 ])
 def test_bad_arguments_are_one_line_errors(tmp_path, args, message, default_model_dir):
     res = make(tmp_path / "m", *args)
-    assert res.returncode == 2 and message in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert res.returncode == 2 and message in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
     assert not (tmp_path / "m").exists() and not list(tmp_path.glob(".m.tmp-*"))
 
 

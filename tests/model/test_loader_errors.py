@@ -64,7 +64,8 @@ def test_truncated_safetensors(qwen2_copy):
     f = qwen2_copy / "model.safetensors"
     data = f.read_bytes()
     f.write_bytes(data[: len(data) - 1000])
-    with pytest.raises(HotstartError, match=r"model.safetensors: truncated: tensor '.+' ends at byte \d+, file has \d+ bytes"):
+    truncated = r"model.safetensors: truncated: tensor '.+' ends at byte \d+, file has \d+ bytes"
+    with pytest.raises(HotstartError, match=truncated):
         _load(qwen2_copy)
     f.write_bytes(data[:4])
     with pytest.raises(HotstartError, match="truncated safetensors file"):
@@ -91,7 +92,8 @@ def test_wrong_shape(qwen2_copy):
     def change(t):
         t["model.layers.1.mlp.up_proj.weight"] = torch.zeros(201, 96)
     _rewrite(qwen2_copy, change)
-    with pytest.raises(HotstartError, match=r"tensor 'model.layers.1.mlp.up_proj.weight' has shape \[201, 96\], expected \[200, 96\]"):
+    shape = r"tensor 'model.layers.1.mlp.up_proj.weight' has shape \[201, 96\], expected \[200, 96\]"
+    with pytest.raises(HotstartError, match=shape):
         _load(qwen2_copy)
 
 
@@ -126,6 +128,7 @@ def test_cli_reports_bad_model_in_one_line(qwen2_copy, default_model_dir):
 
 
 def test_cli_and_config_do_not_import_torch():
-    for module in ("hotstart.cli", "hotstart.config"):
+    for module in ("hotstart.cli", "hotstart.config", "hotstart.model_config", "hotstart.families",
+                   "hotstart.bench.make_model"):
         ok, heavy = no_torch_in(module)
         assert ok, f"{module} imported {heavy}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hotstart import families
 from hotstart.config import EngineConfig, load_model_config
 from hotstart.engine.core import EngineCore
 from hotstart.engine.model_runner import ModelRunner
@@ -31,7 +32,8 @@ def _prefill_logits(core: EngineCore, ids: list[int]) -> torch.Tensor:
 
 
 def _greedy(core: EngineCore, ids: list[int], n: int, ignore_eos: bool = True) -> list[int]:
-    core.add_request(EngineRequest("g", list(ids), SamplingParams(max_tokens=n, temperature=0, ignore_eos=ignore_eos)))
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=ignore_eos)
+    core.add_request(EngineRequest("g", list(ids), params))
     out: list[int] = []
     while core.has_work():
         for o in core.step():
@@ -52,7 +54,11 @@ def _ref_greedy(ref, ids: list[int], n: int, eos=None) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("family,shard", [("qwen2", False), ("qwen3", False), ("llama", True)])
+# every registered family (hotstart/families.py), and the first one sharded too (several files, an index)
+CASES = [(name, False) for name in families.names()] + [(families.names()[0], True)]
+
+
+@pytest.mark.parametrize("family,shard", CASES)
 def test_random_checkpoints_match_transformers(tiny_checkpoint, family, shard):
     model_dir = tiny_checkpoint(family, shard)
     if shard:
@@ -86,7 +92,7 @@ def test_default_model_matches_transformers(default_model_dir):
 
 
 def test_fused_projections_match_unfused(tiny_checkpoint):
-    """The packed q/k/v and gate/up layout (used on GPUs) computes the same logits."""
+    """The fused q/k/v and gate/up layout (used on GPUs) computes the same logits."""
     from hotstart.model.loader import load_model
 
     model_dir = tiny_checkpoint("qwen2")
@@ -97,7 +103,8 @@ def test_fused_projections_match_unfused(tiny_checkpoint):
         core = _engine(model_dir)
         model = load_model(cfg, weight_files(model_dir), fused=fused)
         assert hasattr(model.model.layers[0].self_attn, "qkv_proj") == fused
-        core.runner = ModelRunner(model, core.blocks.num_blocks, core.blocks.block_size, torch.device("cpu"), torch.float32)
+        core.runner = ModelRunner(model, core.blocks.num_blocks, core.blocks.block_size, torch.device("cpu"),
+                                  torch.float32)
         logits.append(_prefill_logits(core, ids))
     assert torch.allclose(logits[0], logits[1], atol=1e-5, rtol=0)
 
@@ -117,7 +124,8 @@ def test_bf16_runs_close_to_float32(default_model_dir):
     cfg = load_model_config(default_model_dir)
     assert cfg.torch_dtype == "bfloat16"
     core32 = _engine(default_model_dir)
-    core16 = EngineCore.build(EngineConfig(model_path=str(default_model_dir), device="cpu", dtype="bfloat16", max_model_len=1024,
+    core16 = EngineCore.build(EngineConfig(model_path=str(default_model_dir), device="cpu", dtype="bfloat16",
+                                           max_model_len=1024,
                                            kv_cache_memory=64 << 20))
     ids = list(range(100, 140))
     a, b = _prefill_logits(core32, ids), _prefill_logits(core16, ids)

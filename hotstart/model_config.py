@@ -1,0 +1,269 @@
+"""ModelConfig: a model folder's config.json read as its family's transformers code reads it, without
+transformers or torch. What differs between families comes from hotstart/families.py; a config feature
+the code does not implement is refused with one line naming the file and the field, never ignored."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hotstart import families
+from hotstart.errors import ModelConfigError
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
+SUPPORTED_ACTIVATIONS = ("silu", "swish")  # the same function (transformers' ACT2FN)
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    type: str = "default"
+    factor: float = 1.0
+    # llama3 scaling only
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a decoder-only transformer, as the engine needs it."""
+
+    path: str
+    architecture: str
+    family: str  # hotstart/families.py name
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    sliding_window: int | None  # the window of the layers that slide; None: every layer attends to all
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def check_context(self, tokens: int) -> None:
+        """Refuse to serve TOKENS of context past the sliding window: sliding-window attention is not
+        implemented, and full attention beyond the window answers differently from the model."""
+        w = self.sliding_window
+        if w is None or w >= tokens:
+            return
+        opt_in = families.by_name(self.family).sliding_window == "opt-in"
+        how = "'use_sliding_window' is true and " if opt_in else ""
+        raise ModelConfigError(
+            f"{Path(self.path) / 'config.json'}: {how}field 'sliding_window' ({w}) is shorter than the "
+            f"context to serve ({tokens} tokens): sliding-window attention is not implemented yet; "
+            f"serve with --max-model-len {w} or less")
+
+
+def _field(raw: dict, name: str, kind: type, src: Path, default: Any = ..., positive: bool = False):
+    if name not in raw or raw[name] is None:
+        if default is ...:
+            raise ModelConfigError(f"{src}: missing field '{name}'")
+        return default
+    value = raw[name]
+    ok = isinstance(value, bool) if kind is bool else isinstance(value, kind) and not isinstance(value, bool)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value, ok = float(value), True
+    if not ok or (kind is float and not math.isfinite(value)):
+        raise ModelConfigError(f"{src}: field '{name}' must be {kind.__name__}, got {value!r}")
+    if positive and value <= 0:
+        raise ModelConfigError(f"{src}: field '{name}' must be > 0, got {value!r}")
+    return value
+
+
+def _rope(raw: dict, src: Path) -> RopeConfig:
+    # transformers >= 5 writes "rope_parameters" (with rope_theta inside); older files write
+    # "rope_theta" and "rope_scaling" at top level.
+    key = "rope_parameters" if raw.get("rope_parameters") else "rope_scaling"
+    params = raw.get(key) or {}
+    if not isinstance(params, dict):
+        raise ModelConfigError(f"{src}: field '{key}' must be an object, got {params!r}")
+    if any(isinstance(v, dict) for v in params.values()):
+        raise ModelConfigError(f"{src}: field '{key}' per layer type is not supported "
+                               "(one RoPE for all layers)")
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ModelConfigError(f"{src}: field 'partial_rotary_factor' ({partial!r}) is not supported "
+                               "(RoPE over the whole head only)")
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
+        raise ModelConfigError(f"{src}: field 'rope_theta' must be a positive number, got {theta!r}")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelConfigError(f"{src}: field '{key}' type '{rope_type}' is not supported "
+                               f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    return RopeConfig(
+        theta=float(theta),
+        # dynamic NTK scaling changes nothing within max_position_embeddings, the most the engine serves
+        type="default" if rope_type == "dynamic" else rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _ids(value: Any, src: Path, name: str) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise ModelConfigError(f"{src}: field '{name}' must be a token id or a list of them, got {value!r}")
+    return tuple(values)
+
+
+def _flag(rule: bool | str, raw: dict, src: Path) -> bool:
+    """A family's bias rule: a constant, or the config.json field that holds it (absent: False)."""
+    return rule if isinstance(rule, bool) else _field(raw, rule, bool, src, default=False)
+
+
+def _sliding_window(fam: families.Family, raw: dict, src: Path, layers: int) -> int | None:
+    """The attention window as FAM's transformers code reads it; None where no layer slides."""
+    if fam.sliding_window == "none":
+        return None
+    if fam.sliding_window == "opt-in" and not _field(raw, "use_sliding_window", bool, src, default=False):
+        return None
+    window = raw["sliding_window"] if "sliding_window" in raw else fam.defaults.get("sliding_window")
+    if window is None:
+        return None
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ModelConfigError(f"{src}: field 'sliding_window' must be a positive int or null, "
+                               f"got {window!r}")
+    if fam.sliding_window == "always":
+        return window
+    types = raw.get("layer_types")
+    if types is None:
+        first = _field(raw, "max_window_layers", int, src, default=fam.defaults.get("max_window_layers", 0))
+        return window if first < layers else None
+    if not isinstance(types, list) or len(types) != layers or any(t not in LAYER_TYPES for t in types):
+        raise ModelConfigError(f"{src}: field 'layer_types' must list one of {', '.join(LAYER_TYPES)} "
+                               f"per layer ({layers}), got {types!r}")
+    return window if "sliding_attention" in types else None
+
+
+def _family(raw: dict, src: Path) -> tuple[str, families.Family]:
+    archs = raw.get("architectures")
+    if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
+        raise ModelConfigError(f"{src}: missing field 'architectures'")
+    arch = archs[0]
+    fam = families.for_architecture(arch)
+    if fam is None:
+        supported = ", ".join(families.architectures())
+        if families.planned(arch):
+            raise ModelConfigError(f"{src}: architecture '{arch}' is not supported yet "
+                                   f"(supported: {supported})")
+        raise ModelConfigError(f"{src}: unknown architecture '{arch}' (supported: {supported})")
+    return arch, fam
+
+
+def parse_model_config(raw: Any, src: Path, extra_eos: tuple[int, ...] = ()) -> ModelConfig:
+    """RAW (config.json's content, read from SRC) as a ModelConfig; EXTRA_EOS: generation_config.json's."""
+    if not isinstance(raw, dict):
+        raise ModelConfigError(f"{src}: must hold a JSON object")
+    arch, fam = _family(raw, src)
+
+    def get(name: str, kind: type, default: Any = ..., positive: bool = False):
+        return _field(raw, name, kind, src, fam.defaults.get(name, default), positive)
+
+    act = raw.get("hidden_act", fam.defaults.get("hidden_act", "silu"))
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise ModelConfigError(f"{src}: field 'hidden_act' {act!r} is not supported (supported: silu)")
+    quant = raw.get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise ModelConfigError(f"{src}: field 'quantization_config' ({method}): quantized checkpoints are "
+                               "not supported (float32, float16 or bfloat16 weights only)")
+
+    hidden = get("hidden_size", int, positive=True)
+    heads = get("num_attention_heads", int, positive=True)
+    # transformers: an explicit null means "as many as the query heads", an absent field the family's default
+    kv_heads = heads if "num_key_value_heads" in raw and raw["num_key_value_heads"] is None else \
+        get("num_key_value_heads", int, default=heads, positive=True)
+    if heads % kv_heads:
+        raise ModelConfigError(
+            f"{src}: field 'num_attention_heads' ({heads}) must be a multiple of 'num_key_value_heads' "
+            f"({kv_heads})")
+    head_dim = get("head_dim", int, default=None, positive=True)
+    if head_dim is None:
+        if hidden % heads:
+            raise ModelConfigError(f"{src}: field 'head_dim' is needed: "
+                                   "hidden_size % num_attention_heads != 0")
+        head_dim = hidden // heads
+    layers = get("num_hidden_layers", int, positive=True)
+
+    dtype = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
+    if dtype not in ("float32", "float16", "bfloat16"):
+        raise ModelConfigError(f"{src}: field 'torch_dtype' must be float32, float16 or bfloat16, "
+                               f"got {dtype!r}")
+    bos = _ids(raw.get("bos_token_id"), src, "bos_token_id")
+
+    return ModelConfig(
+        path=str(src.parent),
+        architecture=arch,
+        family=fam.name,
+        hidden_size=hidden,
+        intermediate_size=get("intermediate_size", int, positive=True),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=get("vocab_size", int, positive=True),
+        max_position_embeddings=get("max_position_embeddings", int, default=2048, positive=True),
+        rms_norm_eps=get("rms_norm_eps", float, default=1e-6, positive=True),
+        rope=_rope(raw, src),
+        tie_word_embeddings=get("tie_word_embeddings", bool, default=False),
+        qkv_bias=_flag(fam.qkv_bias, raw, src),
+        o_bias=_flag(fam.o_bias, raw, src),
+        mlp_bias=_flag(fam.mlp_bias, raw, src),
+        qk_norm=fam.qk_norm,
+        sliding_window=_sliding_window(fam, raw, src, layers),
+        bos_token_id=bos[0] if bos else None,
+        eos_token_ids=tuple(dict.fromkeys(_ids(raw.get("eos_token_id"), src, "eos_token_id") + extra_eos)),
+        torch_dtype=dtype,
+    )
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelConfigError(f"{path}: cannot be parsed: {e}") from None
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    """Parse MODEL_DIR/config.json (and generation_config.json's eos ids). Errors name file and field."""
+    model_dir = Path(model_dir)
+    src = model_dir / "config.json"
+    if not src.is_file():
+        raise ModelConfigError(f"{src}: not found (is '{model_dir}' a model folder?)")
+    raw = _read_json(src)
+    gen = model_dir / "generation_config.json"
+    extra_eos = ()
+    if gen.is_file():
+        gen_raw = _read_json(gen)
+        eos = gen_raw.get("eos_token_id") if isinstance(gen_raw, dict) else None
+        extra_eos = _ids(eos, gen, "eos_token_id")
+    return parse_model_config(raw, src, extra_eos)

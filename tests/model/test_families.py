@@ -1,0 +1,209 @@
+"""The family table (hotstart/families.py), config.json as each family reads it (hotstart/model_config.py)
+and the registry (hotstart/model/registry.py): the same file read by hotstart and by transformers gives
+the same tensors, the same shape facts and the same attention window; what hotstart does not implement
+is refused with one line naming the field."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from util import REPO
+
+from hotstart import families
+from hotstart.config import EngineConfig
+from hotstart.engine.placement import max_model_len_for
+from hotstart.errors import ModelConfigError
+from hotstart.model import registry
+from hotstart.model.decoder import CausalLM
+from hotstart.model_config import load_model_config, parse_model_config
+
+TINY = families.tiny_checkpoints()
+DROP = object()  # a change that removes the field
+
+
+def _write(tmp_path, family: str, **changes) -> str:
+    """A folder with the config.json of FAMILY's tiny config and CHANGES."""
+    model_type, kw = TINY[family]
+    raw = {"model_type": model_type, **kw}
+    for k, v in changes.items():
+        if v is DROP:
+            raw.pop(k, None)
+        else:
+            raw[k] = v
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    return str(tmp_path)
+
+
+def _theirs(folder: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return config, model
+
+
+# config.json variants each family must read as transformers does: the fields that decide which tensors
+# exist (biases, head_dim), and defaults where a field is absent
+VARIANTS = {"as is": {}, "attention_bias": {"attention_bias": True}, "mlp_bias": {"mlp_bias": True},
+            "no head_dim": {"head_dim": DROP}, "no context": {"max_position_embeddings": DROP},
+            "no eps": {"rms_norm_eps": DROP}, "no tie": {"tie_word_embeddings": DROP}}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("family", families.names())
+def test_config_read_as_transformers_reads_it(tmp_path, family, variant):
+    folder = _write(tmp_path, family, **VARIANTS[variant])
+    theirs_cfg, theirs = _theirs(folder)
+    cfg = load_model_config(folder)
+    with torch.device("meta"):
+        ours = registry.model_class(cfg)(cfg, fused=False)
+    want = {n: tuple(p.shape) for n, p in theirs.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        want.pop("lm_head.weight", None)  # tied: not in the checkpoint
+    assert {n: tuple(p.shape) for n, p in ours.named_parameters()} == want
+    assert cfg.tie_word_embeddings == theirs_cfg.tie_word_embeddings
+    assert cfg.max_position_embeddings == theirs_cfg.max_position_embeddings
+    assert cfg.rms_norm_eps == theirs_cfg.rms_norm_eps
+    assert cfg.rope.theta == theirs_cfg.rope_parameters["rope_theta"]
+
+
+def _logits(folder: str, ids: torch.Tensor, state: dict | None = None):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32).eval()
+    if state is not None:
+        model.load_state_dict(state)
+    with torch.no_grad():
+        return model(ids, use_cache=False).logits, model.state_dict()
+
+
+# (family, config.json changes): sliding windows that transformers applies and ones it ignores
+WINDOWS = [
+    ("mistral", {"sliding_window": 8}),
+    ("mistral", {"sliding_window": 64}),
+    ("llama", {"sliding_window": 8}),  # Llama's code never reads it
+    ("qwen2", {"sliding_window": 8}),  # without use_sliding_window
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 3}),  # no layer slides
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 8,
+               "layer_types": ["full_attention", "sliding_attention", "full_attention"]}),
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 8, "layer_types": ["full_attention"] * 3}),
+]
+
+
+@pytest.mark.parametrize("family,changes", WINDOWS, ids=[f"{f}-{i}" for i, (f, _) in enumerate(WINDOWS)])
+def test_a_window_is_refused_exactly_where_transformers_masks(tmp_path, family, changes):
+    folder = _write(tmp_path, family, **changes)
+    ids = torch.arange(1, 25).unsqueeze(0)  # 24 tokens: past a window of 8, within one of 64
+    windowed, state = _logits(folder, ids)
+    plain = {k: DROP for k in ("sliding_window", "use_sliding_window", "layer_types", "max_window_layers")}
+    # the same weights without a window
+    full, _ = _logits(_write(tmp_path / "full", family, **plain), ids, state)
+    masks = not torch.allclose(windowed, full, atol=1e-6)
+    cfg = load_model_config(folder)
+    try:
+        cfg.check_context(ids.shape[1])
+        refused = False
+    except ModelConfigError as e:
+        refused = True
+        assert "field 'sliding_window' (8)" in str(e) and "--max-model-len 8 or less" in str(e)
+        assert str(e).startswith(f"{folder}/config.json: ") and "\n" not in str(e)
+    assert refused == masks
+
+
+def test_the_served_context_decides(tmp_path):
+    folder = _write(tmp_path, "mistral", sliding_window=256)
+    cfg = load_model_config(folder)  # loads: the window matters only once the context passes it
+    with pytest.raises(ModelConfigError, match=r"config.json: field 'sliding_window' \(256\) is shorter "
+                                               r"than the context to serve \(1024 tokens\)"):
+        max_model_len_for(EngineConfig(model_path=folder), cfg)  # default: max_position_embeddings
+    assert max_model_len_for(EngineConfig(model_path=folder, max_model_len=256), cfg) == 256
+    qwen2 = _write(tmp_path / "q", "qwen2", use_sliding_window=True, sliding_window=100, max_window_layers=0)
+    opt_in = r"'use_sliding_window' is true and field 'sliding_window' \(100\)"
+    with pytest.raises(ModelConfigError, match=opt_in):
+        max_model_len_for(EngineConfig(model_path=qwen2, max_model_len=101), load_model_config(qwen2))
+    null = _write(tmp_path / "m", "mistral", sliding_window=None)
+    assert load_model_config(null).sliding_window is None  # null: full attention (Mistral-7B-v0.2 on)
+
+
+@pytest.mark.parametrize("family,changes,message", [
+    ("llama", {"hidden_act": "gelu"}, r"field 'hidden_act' 'gelu' is not supported"),
+    ("qwen2", {"partial_rotary_factor": 0.5}, r"field 'partial_rotary_factor' \(0.5\) is not supported"),
+    ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"field 'rope_scaling' type 'yarn'"),
+    ("qwen3", {"rope_parameters": {"full_attention": {"rope_theta": 1e6},
+                                   "sliding_attention": {"rope_theta": 1e4}}},
+     r"field 'rope_parameters' per layer type is not supported"),
+    ("qwen2", {"quantization_config": {"quant_method": "gptq", "bits": 4}},
+     r"field 'quantization_config' \(gptq\): quantized checkpoints are not supported"),
+    ("qwen2", {"use_sliding_window": True, "layer_types": ["full_attention", "chunked_attention", "x"]},
+     r"field 'layer_types' must list one of full_attention, sliding_attention per layer \(3\)"),
+    ("mistral", {"sliding_window": 0}, r"field 'sliding_window' must be a positive int or null"),
+    ("llama", {"architectures": ["Gemma2ForCausalLM"]},
+     r"architecture 'Gemma2ForCausalLM' is not supported yet"),
+])
+def test_features_not_implemented_are_refused_naming_the_field(tmp_path, family, changes, message):
+    folder = _write(tmp_path, family, **changes)
+    with pytest.raises(ModelConfigError, match=message) as e:
+        load_model_config(folder)
+    assert str(e.value).startswith(f"{folder}/config.json: ") and "\n" not in str(e.value)
+
+
+def test_every_family_has_a_builder_and_odd_test_shapes():
+    seen: set[str] = set()
+    for fam in families.FAMILIES:
+        assert fam.name not in seen and not seen & set(fam.architectures)
+        seen |= {fam.name, *fam.architectures}
+        assert fam.builder.startswith("hotstart.model.families.")
+        model_type, kw = TINY[fam.name]
+        cfg = parse_model_config({"model_type": model_type, **kw}, Path("config.json"))
+        assert issubclass(registry.model_class(cfg), CausalLM) and cfg.family == fam.name
+        heads = cfg.num_attention_heads
+        odd = heads & (heads - 1) or cfg.num_key_value_heads == 1 or cfg.head_dim * heads != cfg.hidden_size
+        assert odd, f"{fam.name}: tiny heads a power of two, KV heads > 1 and head_dim = hidden / heads"
+        _, tp = TINY[f"{fam.name}-tp"]
+        halves = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+        assert all(tp[k] % 2 == 0 for k in halves), tp
+
+
+def test_family_modules_load_lazily(tiny_checkpoint):
+    """Loading a Qwen3 checkpoint imports the qwen3 module and no other family's."""
+    code = ("import sys; from hotstart.model import loader, registry; "
+            "from hotstart.config import load_model_config; "
+            "loaded = lambda: sorted(m for m in sys.modules if m.startswith('hotstart.model.families.')); "
+            "before = loaded(); "
+            f"registry.model_class(load_model_config({str(tiny_checkpoint('qwen3'))!r})); "
+            "print(before, loaded())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["[]", "['hotstart.model.families.qwen3']"]
+
+
+def test_readme_model_table_is_the_family_table():
+    readme = (REPO / "README.md").read_text()
+    assert families.model_table() in readme, "README.md: paste `python -c 'from hotstart import families; " \
+                                              "print(families.model_table())'` over the model table"
+
+
+def test_cli_refuses_a_short_window_in_one_line(tiny_checkpoint, default_model_dir, tmp_path):
+    folder = tmp_path / "mistral"
+    shutil.copytree(tiny_checkpoint("mistral"), folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(default_model_dir / name, folder / name)
+    raw = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**raw, "sliding_window": 64}))
+    out = subprocess.run([sys.executable, "-m", "hotstart", "generate", str(folder), "--prompt", "hi"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines() == [
+        f"hotstart: error: {folder}/config.json: field 'sliding_window' (64) is shorter than the context to "
+        "serve (1024 tokens): sliding-window attention is not implemented yet; serve with --max-model-len 64 "
+        "or less"]
