@@ -97,6 +97,8 @@ STARTERS = re.compile(
     # hotstart entry points that start processes: the launcher (forkserver / engine), the zygote, the
     # compile worker of the graphs fast path
     r"|\bEngineLauncher\b|\bzygote\b|\"graphs\""
+    # the test kit's own starters (also when imported inside the test, where the name scan cannot follow)
+    r"|\b(Server|serving|Pending|run_session|hotstart)\("
 )
 
 

@@ -52,7 +52,8 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _start_prefetch(cfg: ServeConfig, model_path, files, cursor, timeline: Timeline, imports, api_imported):
+def _start_prefetch(cfg: ServeConfig, model_path, files, cursor, timeline: Timeline, imports=None,
+                    api_imported=None):
     """Start the sidecar and weight prefetchers (daemon threads, reads only); the weights one or None.
     With IMPORTS (boot/iosched.py's ImportPrefetch, reading what the imports need) the weights start
     once it is done, and read in the idle I/O class until the imports are over (API_IMPORTED set, and the
