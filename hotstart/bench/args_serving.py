@@ -79,6 +79,8 @@ def _add_serve(bsub) -> None:
     s.add_argument("--peer-args", default="", metavar="ARGS", help="extra flags for every --peers server")
     s.add_argument("--llamacpp-threads", type=int, default=None,
                    help="llama.cpp --n_threads (default: every core)")
+    s.add_argument("--omp-threads", type=int, default=None,
+                   help="OMP_NUM_THREADS of every server started here (default: unset: every core)")
     s.add_argument("--ready-timeout", type=float, default=600, help="launch -> /health limit (s)")
     s.add_argument("--fast-path-timeout", type=float, default=900,
                    help="longest wait after /health for hotstart's fast path to be built (0: none)")

@@ -62,7 +62,9 @@ def _peer(cmd: str, name: str | None, model: str) -> ServeTarget:
     port = free_port()
     gguf = peers.default_gguf() if peers.needs_gguf(words) else None
     label = name or os.path.basename(words[0])
-    kind = "vllm" if peers.is_vllm(words) else "peer"
+    program = os.path.basename(words[0])
+    kind = ("vllm" if peers.is_vllm(words) else
+            "transformers" if program == "transformers" and "serve" in words[1:2] else "peer")
     spec = sv.Spec(label, kind, peers.fill(words, port, model, gguf), env, url=f"http://127.0.0.1:{port}",
                    weights="GGUF" if gguf else "")
     return ServeTarget(label, kind, spec, weights=spec.weights)
@@ -102,7 +104,8 @@ def start(t: ServeTarget, args, model: str, headers: dict | None) -> None:
     """Launch T (or check that a --url answers), wait for hotstart's fast path, learn its model name,
     pid and served dtype, and what a decode step of it reads (for the roofline fraction)."""
     if t.spec is not None:
-        t.srv = sv.spawn(t.spec, args.ready_timeout)
+        env = {"OMP_NUM_THREADS": str(args.omp_threads)} if args.omp_threads else None
+        t.srv = sv.spawn(t.spec, args.ready_timeout, env)
         t.url, t.pid = t.srv.url, t.srv.pid
         t.info["ready_s"] = round(t.srv.t_health, 2)
         if t.kind == "hotstart":
