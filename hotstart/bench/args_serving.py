@@ -87,6 +87,8 @@ def _add_serve(bsub) -> None:
     p.add_argument("--bandwidth", type=float, default=None, metavar="GB/S",
                    help="memory bandwidth for the roofline fraction (default: the last "
                         "`hotstart bench roofline`, else a quick measurement now)")
+    p.add_argument("--roofline-device", default="cpu", choices=["cpu", "cuda"],
+                   help="whose memory bandwidth the fraction uses (the servers' device)")
     p.add_argument("--no-roofline", action="store_true",
                    help="no roofline fraction (no bandwidth measurement)")
     p.add_argument("--out", default=None,

@@ -100,10 +100,10 @@ class ServeBench:
         tmp.write_text(json.dumps(data, indent=1))
         os.replace(tmp, self.out / "results.json")
 
-    def _bodies(self, t: ServeTarget, n: int, c: int, key: tuple) -> list[tuple[dict, object]]:
+    def _bodies(self, t: ServeTarget, n: int, count: int, key: tuple) -> list[tuple[dict, object]]:
         a = self.args
         force = sv.force_fields(t.kind, a.output_len, self.eog)
-        prompts = self.prompts.batch(n, self.num_prompts(c), key)
+        prompts = self.prompts.batch(n, count, key)
         return [(serve_client.request_body(a.endpoint, t.model_id, p.text, a.output_len, force, a.temperature,
                                            a.extra_body), p) for p in prompts]
 
@@ -124,15 +124,16 @@ class ServeBench:
         """One request per prompt length (vLLM's initial test request): a target that cannot answer stops
         the benchmark before any figure is taken."""
         for n in self.args.input_len:
-            traces, _, _ = asyncio.run(self._run(t, self._bodies(t, n, 1, ("warm-up", n))[:1], 1))
+            traces, _, _ = asyncio.run(self._run(t, self._bodies(t, n, 1, ("warm-up", n)), 1))
             if not traces[0].ok:
                 raise HotstartError(f"{t.label}: the warm-up request failed: {traces[0].error or 'no token'}")
 
     def measure(self, t: ServeTarget, n: int, c: int, rnd: int) -> dict:
         a = self.args
-        bodies = self._bodies(t, n, c, ("round", rnd, n, c))
         count = self.prompts.tok.encode
         for attempt in range(a.retries + 1):
+            # a rerun gets prompts of its own: the first try's are in the server's prefix cache now
+            bodies = self._bodies(t, n, self.num_prompts(c), ("round", rnd, n, c, attempt))
             traces, duration, cpu = asyncio.run(self._run(t, bodies, c))
             m = compute(traces, duration, lambda s: len(count(s, add_special_tokens=False)))
             frac = roofline.fraction(m["output_throughput"], t.mb, c, n + a.output_len / 2,
@@ -204,7 +205,7 @@ def run_serve_bench(args) -> int:
         raise HotstartError(f"--out {out}: {e.strerror}") from None
     bench = ServeBench(args, model, targets, prompts, out)
     if not args.no_roofline:
-        bench.meta["bandwidth"] = roofline.bandwidth(args.bandwidth, "cpu")
+        bench.meta["bandwidth"] = roofline.bandwidth(args.bandwidth, args.roofline_device)
     print(f"hotstart bench serve: {len(targets)} targets x {len(bench.levels)} levels x {args.rounds} rounds "
           f"({args.schedule}); results in {out}", file=sys.stderr, flush=True)
     old = {s: signal.signal(s, h) for s, h in ((signal.SIGTERM, _on_sigterm),

@@ -3,6 +3,8 @@ its rounds under vLLM's metric names, then each target against the baseline."""
 
 from __future__ import annotations
 
+import statistics
+
 from hotstart.bench.metrics import median_of_runs
 
 
@@ -17,7 +19,7 @@ def summarize(runs: list[dict], targets: list[str], levels: list[tuple[int, int]
             row = {"target": label, "input_len": n, "concurrency": c,
                    **median_of_runs(r["metrics"] for r in mine)}
             fr = [r["roofline_fraction"] for r in mine if r.get("roofline_fraction") is not None]
-            row["roofline_fraction"] = sorted(fr)[len(fr) // 2] if fr else None
+            row["roofline_fraction"] = statistics.median(fr) if fr else None
             row["noisy_rounds"] = sum(1 for r in mine if r.get("noisy"))
             loads = [r["load1"] for r in mine]
             row["load1_range"] = [min(loads), max(loads)]
