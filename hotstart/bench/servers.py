@@ -1,8 +1,9 @@
-"""Servers of the serving benchmarks (benchmarks/serve_bench.py, over_time.py): what to launch and how to ask.
+"""Servers of the serving benchmarks (`hotstart bench serve`, over-time, load): what to launch, how to
+wait for it and how to ask it.
 
 hotstart runs from this checkout (labelled variants: extra flags each); vLLM, llama.cpp and `transformers
 serve` run from the command lines `make peers` wrote (peers.py). Each server's request forces the full
-output length its own way:
+output length its own way (force_fields):
 
   hotstart      ignore_eos: true; usage via stream_options.include_usage
   vLLM          ignore_eos: true and min_tokens = max_tokens; usage via stream_options.include_usage
@@ -12,7 +13,8 @@ output length its own way:
                 min_tokens masks EOS (2) only; it has no ignore_eos and sends no usage in the stream:
                 tokens are counted as content chunks (one token each)
   transformers  generation_config '{"min_new_tokens": N, "max_new_tokens": N, "do_sample": false}' (it
-                answers 422 to unknown fields such as ignore_eos); usage in its final chunk
+                answers 422 to unknown fields such as ignore_eos or stream_options); usage in its final chunk
+  any other     ignore_eos: true (what `vllm bench serve --ignore-eos` sends)
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ import os
 import re
 import shutil
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from hotstart.bench import peers
-from hotstart.bench.process import free_port
+from hotstart.bench.process import RunFailed, Server, free_port
 from hotstart.errors import HotstartError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -55,7 +59,7 @@ def parse_variants(values: list[str] | None) -> list[tuple[str, str]]:
     for v in values or []:
         label, sep, flags = v.partition("=")
         if not sep or not label.strip():
-            raise SystemExit(f"--hotstart-variant {v!r}: must be LABEL=FLAGS (FLAGS may be empty)")
+            raise HotstartError(f"--hotstart-variant {v!r}: must be LABEL=FLAGS (FLAGS may be empty)")
         out.append((label.strip(), flags))
     return out or [("", "")]
 
@@ -66,7 +70,8 @@ def fast_path_built(fast: dict | None) -> bool:
     if not fast:
         return False
     packing, compile_ = str(fast.get("packing", "")), str(fast.get("compile", ""))
-    return packing.startswith(("packed", "off")) and (compile_ == "done" or compile_.startswith(("off", "failed")))
+    done = compile_ == "done" or compile_.startswith(("off", "failed"))
+    return packing.startswith(("packed", "off")) and done
 
 
 def hotstart_spec(model: str | None, dtype: str, extra: list[str], max_num_seqs: int | None = None,
@@ -94,9 +99,10 @@ def peer_spec(kind: str, model: str, dtype: str, extra: list[str], threads: int 
     except HotstartError:
         if key != "transformers":
             raise
-        exe = shutil.which("transformers", path=str(Path(sys.executable).parent)) or shutil.which("transformers")
+        exe = (shutil.which("transformers", path=str(Path(sys.executable).parent))
+               or shutil.which("transformers"))
         if exe is None:
-            raise SystemExit("transformers serve: not set up (run `make peers`)") from None
+            raise HotstartError("transformers serve: not set up (run `make peers`)") from None
         cmd = f"HF_HUB_OFFLINE=1 {exe} serve --host 127.0.0.1 --port {{port}} {{model}}"
     env, words = peers.split_command(cmd, kind)
     gguf = peers.default_gguf() if peers.needs_gguf(words) else None
@@ -137,23 +143,25 @@ def eog_ids(model: str) -> list[int]:
     return sorted(ids)
 
 
+def force_fields(kind: str, max_tokens: int, eog: list[int] = ()) -> dict:
+    """Request fields that make a KIND server generate all MAX_TOKENS (module docstring); a None value
+    means "leave this field out" (transformers serve rejects it)."""
+    if kind == "vllm":
+        return {"ignore_eos": True, "min_tokens": max_tokens}
+    if kind == "llamacpp":
+        return {"min_tokens": max_tokens, "logit_bias": {str(i): -100.0 for i in eog}, "stream_options": None}
+    if kind.startswith("transformers"):
+        return {"model": None, "stream_options": None, "generation_config": json.dumps(
+            {"max_new_tokens": max_tokens, "min_new_tokens": max_tokens, "do_sample": False})}
+    return {"ignore_eos": True}
+
+
 def request_body(kind: str, prompt: str, max_tokens: int, model_id: str | None, eog: list[int] = ()) -> dict:
     """A streamed greedy chat request forced to max_tokens on that kind of server (module docstring)."""
     body = {"messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": max_tokens,
-            "stream": True}
-    if model_id is not None:
-        body["model"] = model_id
-    if kind == "hotstart":
-        body.update(ignore_eos=True, stream_options={"include_usage": True})
-    elif kind == "vllm":
-        body.update(ignore_eos=True, min_tokens=max_tokens, stream_options={"include_usage": True})
-    elif kind == "llamacpp":
-        body.update(min_tokens=max_tokens, logit_bias={str(i): -100.0 for i in eog})
-    else:  # transformers serve: no stream_options / ignore_eos (422); usage comes in its final chunk
-        body.pop("model", None)
-        body["generation_config"] = json.dumps({"max_new_tokens": max_tokens, "min_new_tokens": max_tokens,
-                                                "do_sample": False})
-    return body
+            "stream": True, "model": model_id, "stream_options": {"include_usage": True}}
+    body.update(force_fields(kind, max_tokens, eog))
+    return {k: v for k, v in body.items() if v is not None}
 
 
 def served_dtype(kind: str, output: str, model: str) -> str:
@@ -165,3 +173,55 @@ def served_dtype(kind: str, output: str, model: str) -> str:
         return m.group(1)
     cfg = json.loads((Path(model) / "config.json").read_text())
     return f"auto ({cfg.get('dtype') or cfg.get('torch_dtype')})"
+
+
+def spawn(spec: Spec, ready_timeout: float = 300.0, env: dict | None = None) -> Server:
+    """Launch SPEC (own session, output read into .lines) and wait for /health; a server that never
+    gets there is stopped, its last output printed, and a one-line HotstartError raised."""
+    srv = Server.launch(spec.argv, env={**os.environ, **spec.env, **(env or {})}, tag=spec.name, url=spec.url)
+    try:
+        srv.wait_healthy(srv.t_launch + ready_timeout)
+    except BaseException as e:
+        srv.stop()
+        if isinstance(e, RunFailed):
+            print("".join(srv.lines[-40:]), file=sys.stderr)
+            raise HotstartError(f"{spec.name} did not start: {e} (its last output is above)") from None
+        raise
+    return srv
+
+
+def wait_fast_path(get_json, timeout: float) -> dict:
+    """Until hotstart's /startup fast_path is built (packed and compiled, or off / failed), GET_JSON(path)
+    being the server's JSON getter: the rounds then measure the path it serves on for good, not the
+    switch-over (over-time shows that). A server without /startup (not hotstart, or an older one) is
+    not waited for."""
+    t0 = time.monotonic()
+    fast: dict = {}
+    if timeout <= 0:
+        return {"fast_path": None, "fast_path_wait_s": 0.0}
+    while time.monotonic() - t0 < timeout:
+        startup = get_json("/startup")
+        if not startup or ("fast_path" not in startup and time.monotonic() - t0 > 5):
+            break
+        fast = startup.get("fast_path") or {}
+        if fast_path_built(fast):
+            break
+        time.sleep(1.0)
+    else:
+        print(f"  fast path still being built after {timeout:.0f} s: {fast}", flush=True)
+    return {"fast_path": {k: fast.get(k) for k in ("mode", "packing", "compile")} if fast else None,
+            "fast_path_wait_s": round(time.monotonic() - t0, 1)}
+
+
+def server_pid_for(url: str) -> int | None:
+    """The pid listening on URL's port (None if it cannot be seen, e.g. another user's process)."""
+    import psutil
+
+    port = urlsplit(url).port
+    try:
+        for c in psutil.net_connections(kind="tcp"):
+            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
+                return c.pid
+    except psutil.AccessDenied:
+        pass
+    return None

@@ -1,4 +1,5 @@
-"""Streaming clients of the serving benchmarks (benchmarks/serve_bench.py, load.py, over_time.py).
+"""Streaming chat clients of `hotstart bench load` and `over-time` (`bench serve` traces its own:
+serve_client.py), and the CPU-noise accounting every serving verb uses.
 
 stream_request times one streamed OpenAI request (TTFT, decode rate, optionally every content delta's
 time); CpuNoise / wait_idle / wait_quiet measure and wait out other processes' CPU use (2 shared cores
@@ -40,7 +41,8 @@ class CpuNoise:
     @staticmethod
     def _busy() -> float:
         with open("/proc/stat") as f:
-            user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in f.readline().split()[1:9])
+            fields = [int(x) for x in f.readline().split()[1:9]]
+        user, nice, system, _idle, _iowait, irq, softirq, steal = fields
         return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
     def _ours(self) -> float:

@@ -1,7 +1,7 @@
-"""Sustained-load check: N concurrent streaming clients for D seconds, then leak checks on the server.
+"""`hotstart bench load`: N concurrent streaming clients for D seconds, then leak checks on the server.
 
-    python benchmarks/load.py --url http://127.0.0.1:8000 [--clients 64] [--duration 60] [--out load.json]
-    python benchmarks/load.py --spawn [--model DIR] [--server-args "..."] ...   # starts `hotstart serve` itself
+    hotstart bench load --url http://127.0.0.1:8000 [--clients 64] [--duration 60] [--out load.json]
+    hotstart bench load --spawn [--model DIR] [--server-args "..."] ...   # starts `hotstart serve` itself
 
 Each client loops until the duration is over: a random prompt from a small list, random max_tokens in
 [--min-tokens, --max-tokens], chat (or, one time in five, text) completion, streamed, temperature 0 or
@@ -20,7 +20,6 @@ results go to --out.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -31,10 +30,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_bench import CpuNoise, hotstart_server, last_lines, pct, stream_request
-
-from hotstart.bench.process import Server  # importable: serve_bench put the repository on sys.path
+from hotstart.bench import servers as sv
+from hotstart.bench.process import Server
+from hotstart.bench.streams import CpuNoise, pct, stream_request
+from hotstart.errors import HotstartError
 
 PROMPTS = [
     "What is the capital of France?",
@@ -49,22 +48,6 @@ PROMPTS = [
     "Describe the color blue to someone who cannot see.",
 ]
 GAUGES = ("hotstart_num_requests_running", "hotstart_num_requests_waiting", "hotstart_kv_cache_usage_ratio")
-
-
-# ---------------------------------------------------------------- server inspection
-
-def server_pid_for(url: str) -> int | None:
-    """The pid listening on URL's port (None if it cannot be seen, e.g. another user's process)."""
-    import psutil
-
-    port = int(re.search(r":(\d+)", url.split("//", 1)[-1]).group(1))
-    try:
-        for c in psutil.net_connections(kind="tcp"):
-            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
-                return c.pid
-    except psutil.AccessDenied:
-        pass
-    return None
 
 
 def tree(pid: int) -> list:
@@ -99,8 +82,6 @@ async def read_gauges(client, url: str) -> dict:
         found[name] = float(m.group(1)) if m else None
     return found
 
-
-# ---------------------------------------------------------------- clients
 
 def make_body(rng: random.Random, model: str, min_tokens: int, max_tokens: int) -> tuple[str, dict, bool]:
     prompt = rng.choice(PROMPTS)
@@ -166,13 +147,14 @@ async def run(args, url: str, pid: int | None) -> dict:
 
     limits = httpx.Limits(max_connections=args.clients + 8, max_keepalive_connections=args.clients + 8)
     res: dict = {"url": url, "server_pid": pid}
-    async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout, connect=10), limits=limits) as client:
+    timeout = httpx.Timeout(args.request_timeout, connect=10)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         model = (await client.get(url + "/v1/models", timeout=30)).json()["data"][0]["id"]
         warm = await stream_request(client, url + "/v1/chat/completions",
                                     {"model": model, "messages": [{"role": "user", "content": "Hi"}],
                                      "max_tokens": 8, "stream": True}, args.request_timeout)
         if warm["error"] or not warm["done"]:
-            raise RuntimeError(f"warm-up request failed: {warm}")
+            raise HotstartError(f"bench load: the warm-up request failed: {warm['error'] or 'no [DONE]'}")
     res["gauges_before"] = await _gauges(url)
     res["before"] = fd_snapshot(pid) if pid else None
 
@@ -181,7 +163,7 @@ async def run(args, url: str, pid: int | None) -> dict:
     noise.start()
     t0 = time.monotonic()
     deadline = t0 + args.duration
-    async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout, connect=10), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         tasks = [asyncio.create_task(client_loop(i, client, url, model, args, deadline, records))
                  for i in range(args.clients)]
         done, pending = await asyncio.wait(tasks, timeout=args.duration + args.drain_timeout)
@@ -215,7 +197,8 @@ async def run(args, url: str, pid: int | None) -> dict:
         gauges = await _gauges(url)
         after = fd_snapshot(pid) if pid and _alive(pid) else None
         idle = all(v == 0 for v in gauges.values() if v is not None) and None not in gauges.values()
-        fds_ok = after is None or res["before"] is None or after["fds"] <= res["before"]["fds"] + args.fd_slack
+        before = res["before"]
+        fds_ok = after is None or before is None or after["fds"] <= before["fds"] + args.fd_slack
         if (idle and fds_ok) or time.monotonic() - t_settle > args.settle_timeout:
             break
         await asyncio.sleep(0.5)
@@ -267,7 +250,8 @@ def failures(res: dict) -> list[str]:
     if res["engine_pids_same"] is False:
         why.append("the server's process tree changed (an engine crashed and was reforked?)")
     if res["fd_leak"]:
-        why.append(f"fd leak: {res['before'] and res['before']['fds']} -> {res['after'] and res['after']['fds']}")
+        b, a = res["before"], res["after"]
+        why.append(f"fd leak: {b and b['fds']} -> {a and a['fds']}")
     return why
 
 
@@ -275,10 +259,10 @@ def report(res: dict) -> str:
     f = lambda x: "n/a" if x is None else f"{x:.2f}"
     b, a = res.get("before") or {}, res.get("after") or {}
     return "\n".join([
-        (f"clients {res['clients']} x {res['duration']} s (wall {res['wall_s']} s): completed {res['completed']}, "
-         f"aborted {res['aborted']}, errors {res['errors']}"),
-        (f"TTFT p50 {f(res['ttft_p50'])} s, p99 {f(res['ttft_p99'])} s; end-to-end p50 {f(res['e2e_p50'])} s, "
-         f"p99 {f(res['e2e_p99'])} s"),
+        (f"clients {res['clients']} x {res['duration']} s (wall {res['wall_s']} s): "
+         f"completed {res['completed']}, aborted {res['aborted']}, errors {res['errors']}"),
+        (f"TTFT p50 {f(res['ttft_p50'])} s, p99 {f(res['ttft_p99'])} s; "
+         f"end-to-end p50 {f(res['e2e_p50'])} s, p99 {f(res['e2e_p99'])} s"),
         (f"output {res['output_tokens']} tokens, {res['output_tps']:.1f} tok/s, "
          f"{res['requests_per_s']:.2f} req/s; finish reasons {res['finish_reasons']}"),
         (f"CPU: server+client {res['cpu']['our_cores']:.2f} cores, "
@@ -290,56 +274,48 @@ def report(res: dict) -> str:
     ])
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--url", default=None, help="a running server, e.g. http://127.0.0.1:8000")
-    ap.add_argument("--pid", type=int, default=None, help="server pid for the fd check (default: port owner)")
-    ap.add_argument("--spawn", action="store_true", help="start `hotstart serve` itself, stop it after")
-    ap.add_argument("--model", default=None, help="with --spawn: model to serve (default: the default model)")
-    ap.add_argument("--server-args", default="", help="with --spawn: extra `hotstart serve` arguments")
-    ap.add_argument("--dtype", default="auto", help="with --spawn: --dtype for the server")
-    ap.add_argument("--omp-threads", type=int, default=None, help="with --spawn: OMP_NUM_THREADS for the server")
-    ap.add_argument("--clients", type=int, default=64)
-    ap.add_argument("--duration", type=float, default=60.0, help="seconds clients keep starting requests")
-    ap.add_argument("--drain-timeout", type=float, default=180.0, help="extra seconds for requests in flight")
-    ap.add_argument("--request-timeout", type=float, default=300.0)
-    ap.add_argument("--min-tokens", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--abort-frac", type=float, default=0.0, help="fraction of requests the client drops early")
-    ap.add_argument("--fd-slack", type=int, default=8, help="extra fds tolerated after the run")
-    ap.add_argument("--settle-timeout", type=float, default=30.0, help="seconds to wait for idle after the run")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None, help="write JSON results here")
-    args = ap.parse_args(argv)
-    if (args.url is None) == (not args.spawn):
-        ap.error("give exactly one of --url and --spawn")
+def _check(args) -> None:
+    for flag in ("clients", "min_tokens", "max_tokens"):
+        if getattr(args, flag) < 1:
+            raise HotstartError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.min_tokens > args.max_tokens:
+        raise HotstartError(f"--min-tokens {args.min_tokens} > --max-tokens {args.max_tokens}")
+    if not 0 <= args.abort_frac <= 1:
+        raise HotstartError(f"--abort-frac must be in 0..1, got {args.abort_frac}")
+
+
+def run_load_bench(args) -> int:
+    """Entry point of `hotstart bench load`. Exit code 0: PASS, 1: FAIL (the reasons printed)."""
+    _check(args)
 
     def on_term(signum, frame):
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_term)
+    old = signal.signal(signal.SIGTERM, on_term)
     srv: Server | None = None
     try:
         if args.spawn:
-            if args.omp_threads:
-                os.environ["OMP_NUM_THREADS"] = str(args.omp_threads)
-            srv = hotstart_server(args.model, args.dtype, args.server_args.split())
+            env = {"OMP_NUM_THREADS": str(args.omp_threads)} if args.omp_threads else {}
+            spec = sv.hotstart_spec(args.model, args.dtype, args.server_args.split())
+            srv = sv.spawn(spec, 300.0, env)
             url, pid = srv.url, srv.pid
             print(f"spawned hotstart (pid {pid}) at {url}, healthy after {srv.t_health:.1f} s", flush=True)
         else:
             url = args.url.rstrip("/")
-            pid = args.pid or server_pid_for(url)
+            pid = args.pid or sv.server_pid_for(url)
             if pid is None:
                 print("warning: server process not found: fd check skipped", file=sys.stderr)
         res = asyncio.run(run(args, url, pid))
     except BaseException:
         if srv is not None:
-            print(last_lines(srv), file=sys.stderr)
+            print("".join(srv.lines[-60:]), file=sys.stderr)
         raise
     finally:
+        signal.signal(signal.SIGTERM, old)
         if srv is not None:
             srv.stop()
-    res.update(clients=args.clients, duration=args.duration, fd_slack=args.fd_slack, args=vars(args),
+    res.update(clients=args.clients, duration=args.duration, fd_slack=args.fd_slack,
+               args={k: v for k, v in vars(args).items() if v is None or isinstance(v, (str, int, float))},
                load1=round(os.getloadavg()[0], 2))
     why = failures(res)
     res["ok"], res["failures"] = not why, why
@@ -348,10 +324,3 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1, default=str))
     return 0 if not why else 1
-
-
-if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        sys.exit(130)

@@ -2,7 +2,8 @@
 fast path, no compile worker), cold or warm weights: per request, wall time, this process's user and
 system CPU, page faults (minor, major) and MemAvailable.
 
-    python benchmarks/first_forward.py MODEL --cold [--max-model-len 2048] [--requests 3] [--threads N]
+    python benchmarks/investigations/first_forward.py MODEL --cold [--max-model-len 2048] [--requests 3]
+        [--threads N]
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from hotstart.boot.prefetch import Prefetcher
@@ -34,7 +35,8 @@ def usage() -> dict:
 def delta(a: dict, b: dict) -> dict:
     return {"wall_s": round(b["t"] - a["t"], 3), "user_s": round(b["user"] - a["user"], 3),
             "sys_s": round(b["sys"] - a["sys"], 3), "minflt": b["minflt"] - a["minflt"],
-            "majflt": b["majflt"] - a["majflt"], "mem_available_gib": round((mem_available() or 0) / 2**30, 2)}
+            "majflt": b["majflt"] - a["majflt"],
+            "mem_available_gib": round((mem_available() or 0) / 2**30, 2)}
 
 
 def main() -> None:
@@ -48,8 +50,9 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=8)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     ap.add_argument("--touch", choices=["none", "copy", "tensors"], default="none",
-                    help="before the requests, read every weight byte once: copy = preadv of the files into a "
-                         "buffer; tensors = one element per page of every parameter (through the engine's own mapping)")
+                    help="before the requests, read every weight byte once: copy = preadv of the files into "
+                         "a buffer; tensors = one element per page of every parameter (through the engine's "
+                         "own mapping)")
     a = ap.parse_args()
     files = [str(p) for p in weight_files(Path(a.model).expanduser())]
     if a.cold:
@@ -57,8 +60,10 @@ def main() -> None:
             evict(f)
     else:
         Prefetcher(files, PrefetchPlan(True, 2, 16 * MiB, "warm", method="fadvise")).start().wait(600)
-    out: dict = {"mode": "cold" if a.cold else "warm",
-                 "resident_before": sum(resident_bytes(f)[0] for f in files) / sum(resident_bytes(f)[1] for f in files)}
+    def resident() -> float:
+        return sum(resident_bytes(f)[0] for f in files) / sum(resident_bytes(f)[1] for f in files)
+
+    out: dict = {"mode": "cold" if a.cold else "warm", "resident_before": resident()}
     u0 = usage()
     import torch
 
@@ -91,12 +96,13 @@ def main() -> None:
     out["requests"] = []
     for i in range(a.requests):
         ids = [(17 * i + k) % 1000 + 100 for k in range(a.prompt_tokens)]
-        assert core.add_request(EngineRequest(f"r{i}", ids, SamplingParams(max_tokens=1, temperature=0))) is None
+        params = SamplingParams(max_tokens=1, temperature=0)
+        assert core.add_request(EngineRequest(f"r{i}", ids, params)) is None
         t = usage()
         while core.has_work():
             core.step()
         out["requests"].append(delta(t, usage()))
-    out["resident_after"] = sum(resident_bytes(f)[0] for f in files) / sum(resident_bytes(f)[1] for f in files)
+    out["resident_after"] = resident()
     print(json.dumps(out, indent=1))
 
 

@@ -1,6 +1,6 @@
 """Measure the prefetcher on this machine: the numbers behind the defaults in hotstart/boot/storage.py.
 
-    python benchmarks/prefetch_sweep.py [--dir DIR] [--size-gb 1.5] [--reps 3]
+    python benchmarks/investigations/prefetch_sweep.py [--dir DIR] [--size-gb 1.5] [--reps 3]
 
 1. Sweep: a cold (evicted) file read by the Prefetcher with 1/2/4/8 threads x 4/16/64 MiB blocks,
    against a plain single-thread read loop; then a warm run (everything resident: mincore only).
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from hotstart.boot.prefetch import Prefetcher  # noqa: E402
 from hotstart.boot.residency import evict, resident_bytes  # noqa: E402
@@ -88,7 +88,7 @@ def loader_run(path: Path, delay: float, mode: str, window_mib: int, threads: in
     cursor = LoadCursor.create() if mode == "cursor" else None
     t0 = time.time()
     proc = subprocess.Popen([sys.executable, "-c", LOADER, str(path), str(t0 + delay),
-                             cursor.path if cursor else "-", str(Path(__file__).resolve().parents[1])],
+                             cursor.path if cursor else "-", str(Path(__file__).resolve().parents[2])],
                             stdout=subprocess.PIPE, text=True)
     pf = None
     if mode != "none":
@@ -173,7 +173,7 @@ def race(path: Path, reps: int, delays: list[float], windows: list[int], threads
 
 def gil(path: Path, reps: int) -> None:
     """Prefetch threads in the API process vs its main thread's imports (GIL contention)."""
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
 
     def one(threads, block):
         def run():

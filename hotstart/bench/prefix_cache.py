@@ -1,6 +1,6 @@
-"""TTFT of a multi-turn chat's second turn with and without automatic prefix caching.
+"""`hotstart bench prefix-cache`: TTFT of a chat's second turn with and without automatic prefix caching.
 
-    python benchmarks/prefix_cache.py [--model DIR] [--repeats 5] [--dtype auto] [--out prefix_cache.json]
+    hotstart bench prefix-cache [--model DIR] [--repeats 5] [--dtype auto] [--out prefix_cache.json]
 
 Starts two real servers one after the other (never together): `hotstart serve` (prefix caching on, the
 default) and `hotstart serve --no-enable-prefix-caching`. Against each, R conversations, each unique
@@ -15,21 +15,18 @@ average before each server (2 shared cores here: quote the load beside the numbe
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import os
 import re
 import statistics
-import sys
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
+from hotstart.bench import servers as sv
 from hotstart.bench.process import Server
+from hotstart.errors import HotstartError
 
 SENTENCES = [
     "The lighthouse stood on a cliff above the harbour, its lamp turning slowly through the night.",
@@ -50,8 +47,9 @@ def conversation(session: int, target_words: int) -> list[dict]:
         parts.append(f"({i + 1}) {s}")
         words += len(s.split()) + 1
         i += 1
-    return [{"role": "system", "content": f"Session {session}. You are a careful reader who answers briefly."},
-            {"role": "user", "content": "Here is a story:\n" + " ".join(parts) + "\nSummarise it in one sentence."}]
+    story = "Here is a story:\n" + " ".join(parts) + "\nSummarise it in one sentence."
+    system = f"Session {session}. You are a careful reader who answers briefly."
+    return [{"role": "system", "content": system}, {"role": "user", "content": story}]
 
 
 def _connect(url: str, timeout: float) -> http.client.HTTPConnection:
@@ -68,7 +66,7 @@ def post(server: Server, body: dict, timeout: float = 300.0) -> dict:
     finally:
         conn.close()
     if resp.status != 200:
-        raise SystemExit(f"HTTP {resp.status}: {raw[:300]!r}")
+        raise HotstartError(f"bench prefix-cache: HTTP {resp.status}: {raw[:300]!r}")
     return json.loads(raw)
 
 
@@ -89,7 +87,7 @@ def stream_ttft(url: str, body: dict, timeout: float = 300.0) -> float:
                 ttft = time.perf_counter() - t0
     conn.close()
     if ttft is None:
-        raise SystemExit("turn 2 produced no content")
+        raise HotstartError("bench prefix-cache: turn 2 produced no content")
     return ttft
 
 
@@ -105,18 +103,16 @@ def metric(server: Server, name: str) -> float:
 
 
 def run_server(label: str, extra: list[str], args, session0: int) -> dict:
-    while os.getloadavg()[0] > args.max_load:
+    t0 = time.monotonic()
+    while os.getloadavg()[0] > args.max_load and time.monotonic() - t0 < args.max_wait:
         print(f"  load average {os.getloadavg()[0]:.2f} > {args.max_load}: waiting", flush=True)
         time.sleep(10)
     load = os.getloadavg()[0]
-    argv = [sys.executable, "-m", "hotstart", "serve", *([args.model] if args.model else []), "--port", "0",
-            "--dtype", args.dtype, *extra]
-    server = Server.launch(argv, env={**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}, tag=label)
+    server = sv.spawn(sv.hotstart_spec(args.model, args.dtype, extra), 300.0)
     try:
-        deadline = time.monotonic() + 300
-        server.wait_url(deadline)
-        server.wait_healthy(deadline)
-        base = dict(model=args.served_name, temperature=0)
+        models = (server.get_json("/v1/models") or {}).get("data") or [{}]
+        served = models[0].get("id")
+        base = dict(model=served, temperature=0)
         post(server, {**base, "messages": conversation(session0 - 1, 50), "max_tokens": 4})  # warm-up
         t1, t2, n_prompt = [], [], []
         for r in range(args.repeats):
@@ -128,7 +124,8 @@ def run_server(label: str, extra: list[str], args, session0: int) -> dict:
             msgs2 = [*msgs, {"role": "assistant", "content": answer},
                      {"role": "user", "content": "Which detail of the story do you find most striking?"}]
             t2.append(stream_ttft(server.url, {**base, "messages": msgs2, "max_tokens": 8}))
-            n_prompt.append(post(server, {**base, "messages": msgs2, "max_tokens": 1})["usage"]["prompt_tokens"])
+            usage = post(server, {**base, "messages": msgs2, "max_tokens": 1})["usage"]
+            n_prompt.append(usage["prompt_tokens"])
         return {"server": label, "flags": " ".join(extra) or "(defaults)", "load1_before": round(load, 2),
                 "turn2_prompt_tokens": statistics.median(n_prompt),
                 "turn1_e2e_median_s": statistics.median(t1), "turn2_ttft_median_s": statistics.median(t2),
@@ -140,20 +137,14 @@ def run_server(label: str, extra: list[str], args, session0: int) -> dict:
         server.stop()
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="model folder (default: the embedded default model)")
-    ap.add_argument("--served-name", default="SmolLM2-135M-Instruct", help="the model name requests use")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--words", type=int, default=1050, help="words in turn 1's user message (~1.4 tokens each)")
-    ap.add_argument("--max-load", type=float, default=100.0, help="wait for the 1-min load average below this")
-    ap.add_argument("--out", default=None, help="write the results as JSON")
-    args = ap.parse_args()
+def run_prefix_cache_bench(args) -> int:
+    """Entry point of `hotstart bench prefix-cache`."""
+    if args.repeats < 1 or args.words < 1:
+        raise HotstartError("bench prefix-cache: --repeats and --words must be >= 1")
     results = [run_server("prefix caching on", [], args, 1000),
                run_server("prefix caching off", ["--no-enable-prefix-caching"], args, 2000)]
-    print("\n| server | turn-2 prompt tokens | turn-1 e2e median (s) | turn-2 TTFT median (s) | turn-2 TTFT min (s) "
-          "| prefix-cache hits / queries (tokens) | load avg before |")
+    print("\n| server | turn-2 prompt tokens | turn-1 e2e median (s) | turn-2 TTFT median (s) | "
+          "turn-2 TTFT min (s) | prefix-cache hits / queries (tokens) | load avg before |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in results:
         print(f"| {r['server']} | {r['turn2_prompt_tokens']:.0f} | {r['turn1_e2e_median_s']:.2f} | "
@@ -164,7 +155,3 @@ def main() -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

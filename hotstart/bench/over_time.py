@@ -1,6 +1,6 @@
-"""Throughput over time since launch: what a server delivers in its first minutes, under a steady load.
+"""`hotstart bench over-time`: what a server delivers in its first minutes since launch, under a steady load.
 
-    python benchmarks/over_time.py [--model DIR] [--servers hotstart-cold,hotstart-warm,vllm]
+    hotstart bench over-time [--model DIR] [--servers hotstart-cold,hotstart-warm,vllm]
         [--streams 16] [--duration 120] [--window 5] [--max-tokens 128] [--hotstart-args "..."] [--out DIR]
 
 For each server, one after the other: launch it and at once start --streams client loops, each sending
@@ -28,7 +28,6 @@ records with token times) and over_time.png (tokens/s against seconds since laun
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -39,17 +38,32 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from serve_bench import PROMPTS  # noqa: E402
-
-from hotstart.bench import peers  # noqa: E402
-from hotstart.bench import servers as sv  # noqa: E402
-from hotstart.bench.process import Server, free_port  # noqa: E402
-from hotstart.bench.streams import stream_request, wait_quiet  # noqa: E402
+from hotstart.bench import peers
+from hotstart.bench import servers as sv
+from hotstart.bench.args_serving import OVER_TIME_KINDS as KINDS
+from hotstart.bench.process import Server, free_port
+from hotstart.bench.streams import stream_request, wait_quiet
+from hotstart.errors import HotstartError
 
 RETRY_S = 0.05
-KINDS = ("hotstart-cold", "hotstart-warm", "vllm", "vllm-cold", "llamacpp", "transformers")
+PROMPTS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a bicycle gear system works.",
+    "Describe the water cycle to a ten-year-old.",
+    "What are the main differences between cats and dogs as pets?",
+    "Give me a recipe for a simple tomato soup.",
+    "Why is the sky blue? Explain in detail.",
+    "Write a poem about autumn leaves.",
+    "List some tips for learning a new language.",
+    "Tell me about the history of the printing press.",
+    "How do airplanes stay in the air?",
+    "Describe a day in the life of a honeybee.",
+    "What should I pack for a week-long hiking trip?",
+    "Explain what a computer's memory does.",
+    "Write a letter to a friend about moving to a new city.",
+    "What makes a good team leader?",
+    "Describe the planets of the solar system.",
+]
 
 
 def windows(requests: list[dict], duration: float, window: float) -> list[dict]:
@@ -113,8 +127,8 @@ async def load(srv: Server, spec: sv.Spec, args, eog: list[int], t0: float) -> t
             # On record before it is sent: a request still streaming at the deadline is cancelled, and the
             # tokens it got so far count too.
             times: list[float] = []
-            rec = {"stream": i, "sent": time.perf_counter() - t0, "times": times, "error": "cut at --duration",
-                   "tokens": None}
+            rec = {"stream": i, "sent": time.perf_counter() - t0, "times": times,
+                   "error": "cut at --duration", "tokens": None}
             records.append(rec)
             rec.update(await stream_request(http, srv.url + "/v1/chat/completions", body, args.duration,
                                             times=times), times=times)
@@ -226,30 +240,18 @@ def draw(results: dict, path: Path, args) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="model folder (default: hotstart's default model)")
-    ap.add_argument("--servers", default="hotstart-cold,hotstart-warm,vllm",
-                    help=f"in order: {', '.join(KINDS)}")
-    ap.add_argument("--streams", type=int, default=16)
-    ap.add_argument("--duration", type=float, default=120.0, help="seconds after launch")
-    ap.add_argument("--window", type=float, default=5.0, help="seconds per throughput point")
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--hotstart-args", default="", help="extra `hotstart serve` flags (both hotstart runs)")
-    ap.add_argument("--peer-args", default="", help="extra flags for the peers")
-    ap.add_argument("--prime-timeout", type=float, default=900.0, help="longest priming run (hotstart-warm)")
-    ap.add_argument("--max-load", type=float, default=1.5, help="wait for 1-min load average below this")
-    ap.add_argument("--max-wait", type=float, default=600, help="longest wait for a quiet machine (s)")
-    ap.add_argument("--out", default="over_time", help="folder for over_time.json and over_time.png")
-    args = ap.parse_args(argv)
+def run_over_time_bench(args) -> int:
+    """Entry point of `hotstart bench over-time`."""
     kinds = [k for k in args.servers.split(",") if k]
     for k in kinds:
         if k not in KINDS:
-            raise SystemExit(f"unknown server {k!r} (known: {', '.join(KINDS)})")
+            raise HotstartError(f"--servers: unknown server {k!r} (known: {', '.join(KINDS)})")
     if "hotstart-cold" in kinds and "hotstart-warm" in kinds and kinds.index("hotstart-warm") < kinds.index(
             "hotstart-cold"):
-        raise SystemExit("--servers: hotstart-cold must come before hotstart-warm (one HOTSTART_HOME for both)")
+        raise HotstartError("--servers: hotstart-cold must come before hotstart-warm "
+                            "(one HOTSTART_HOME for both)")
+    if args.streams < 1 or args.duration <= 0 or args.window <= 0 or args.max_tokens < 1:
+        raise HotstartError("bench over-time: --streams, --duration, --window and --max-tokens must be > 0")
     model = args.model
     if model is None:
         from hotstart.boot.default_model import ensure_default_model
@@ -264,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for kind in kinds:
             results[kind] = run_one(kind, args, model, home, eog)
-            data = {"model": model, "args": vars(args), "hotstart_home": home, "results": results}
+            data = {"model": model, "args": {k: v for k, v in vars(args).items() if not callable(v)},
+                    "hotstart_home": home, "results": results}
             (out / "over_time.json").write_text(json.dumps(data, indent=1))
     finally:
         shutil.rmtree(home, ignore_errors=True)
@@ -273,9 +276,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {out / 'over_time.json'} and {out / 'over_time.png'}")
     return 0
 
-
-if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        sys.exit(130)

@@ -1,7 +1,9 @@
 """Grammar libraries for constrained decoding, measured on this machine (runs with whichever of
-llguidance / xgrammar imports), and optionally the engine's decode step with and without grammars.
+llguidance / xgrammar imports): the investigation behind the choice of llguidance (docs/serving.md,
+"Constrained decoding"). The engine's decode step with and without grammars is `hotstart bench step
+--parts grammar`.
 
-  python benchmarks/grammar_bench.py [--tokenizer DIR] [--streams 16] [--engine MODEL_DIR]
+  python benchmarks/investigations/grammar_libraries.py [--tokenizer DIR] [--streams 16]
 
 Per library: import time, the tokenizer view (built from the tokenizer once per engine), compiling a
 realistic JSON schema (an order with nested objects, arrays, enums, a pattern, $defs; cold = first
@@ -9,8 +11,6 @@ compile, warm = median of recompiles with caches off), and per decode step at --
 streams: the token masks of every stream (one batched call) + each stream taking its token, walking
 a valid instance token by token. xgrammar needs transformers (and pulls torch + triton): run it from a
 throwaway venv, e.g. /tmp/xgr-venv (pip install torch==2.13.0, then xgrammar).
---engine: EngineCore on MODEL_DIR (project venv), --streams greedy streams of 64 tokens with ignore_eos,
-unconstrained vs all under the schema's grammar; prints ms per decode step and the overhead.
 The load average is printed beside: on a shared machine the figures are indicative.
 """
 
@@ -27,22 +27,28 @@ from pathlib import Path
 ORDER = {
     "type": "object",
     "$defs": {"address": {"type": "object", "properties": {
-        "street": {"type": "string"}, "city": {"type": "string"}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
-        "country": {"type": "string", "enum": ["FR", "DE", "US", "JP"]}}, "required": ["street", "city", "country"]}},
+        "street": {"type": "string"}, "city": {"type": "string"},
+        "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+        "country": {"type": "string", "enum": ["FR", "DE", "US", "JP"]}},
+        "required": ["street", "city", "country"]}},
     "properties": {
         "order_id": {"type": "string"}, "customer": {"type": "object", "properties": {
             "name": {"type": "string"}, "email": {"type": "string"}, "vip": {"type": "boolean"},
             "shipping": {"$ref": "#/$defs/address"}, "billing": {"$ref": "#/$defs/address"}},
             "required": ["name", "email", "shipping"]},
         "items": {"type": "array", "minItems": 1, "items": {"type": "object", "properties": {
-            "sku": {"type": "string"}, "quantity": {"type": "integer", "minimum": 1}, "price": {"type": "number"},
-            "tags": {"type": "array", "items": {"type": "string"}}}, "required": ["sku", "quantity", "price"]}},
-        "status": {"enum": ["pending", "paid", "shipped"]}, "notes": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+            "sku": {"type": "string"}, "quantity": {"type": "integer", "minimum": 1},
+            "price": {"type": "number"}, "tags": {"type": "array", "items": {"type": "string"}}},
+            "required": ["sku", "quantity", "price"]}},
+        "status": {"enum": ["pending", "paid", "shipped"]},
+        "notes": {"anyOf": [{"type": "string"}, {"type": "null"}]},
     },
     "required": ["order_id", "customer", "items", "status"],
 }
-INSTANCE = {"order_id": "A-1093", "customer": {"name": "Ada Lovelace", "email": "ada@example.com", "vip": True,
-            "shipping": {"street": "12 Rue de Rivoli", "city": "Paris", "zip": "75001", "country": "FR"}},
+INSTANCE = {"order_id": "A-1093",
+            "customer": {"name": "Ada Lovelace", "email": "ada@example.com", "vip": True,
+                         "shipping": {"street": "12 Rue de Rivoli", "city": "Paris", "zip": "75001",
+                                      "country": "FR"}},
             "items": [{"sku": "KB-01", "quantity": 2, "price": 49.9, "tags": ["keyboard", "usb"]},
                       {"sku": "MS-7", "quantity": 1, "price": 19.5}], "status": "paid", "notes": None}
 
@@ -83,11 +89,13 @@ def bench_llguidance(tok_dir: Path, streams: int, steps_cap: int) -> dict:
     times = []
     for step in range(min(steps_cap, len(ids) - 8)):
         t = time.perf_counter()
-        ex.unsafe_compute_mask_ptr([(m, k) for k, m in enumerate(matchers)], mask.data_ptr(), words * 4, streams)
+        ex.unsafe_compute_mask_ptr([(m, k) for k, m in enumerate(matchers)], mask.data_ptr(), words * 4,
+                                   streams)
         ex.consume_token_par([(m, ids[p + step]) for m, p in zip(matchers, pos, strict=True)])
         times.append(time.perf_counter() - t)
     assert not any(m.is_error() for m in matchers), [m.get_error() for m in matchers if m.is_error()][:1]
-    out["step_ms_median"], out["step_ms_p90"] = 1e3 * statistics.median(times), 1e3 * sorted(times)[int(0.9 * len(times))]
+    out["step_ms_median"] = 1e3 * statistics.median(times)
+    out["step_ms_p90"] = 1e3 * sorted(times)[int(0.9 * len(times))]
     return out
 
 
@@ -119,63 +127,17 @@ def bench_xgrammar(tok_dir: Path, streams: int, steps_cap: int) -> dict:
         ok = xgr.BatchGrammarMatcher.batch_accept_token(matchers, [ids[p + step] for p in pos])
         times.append(time.perf_counter() - t)
         assert all(ok)
-    out["step_ms_median"], out["step_ms_p90"] = 1e3 * statistics.median(times), 1e3 * sorted(times)[int(0.9 * len(times))]
+    out["step_ms_median"] = 1e3 * statistics.median(times)
+    out["step_ms_p90"] = 1e3 * sorted(times)[int(0.9 * len(times))]
     return out
-
-
-def bench_engine(model_dir: Path, streams: int, tokens: int = 32, rounds: int = 6) -> dict:
-    """ms per full decode step (every stream decoding): STREAMS greedy streams, unconstrained vs all
-    constrained (llguidance), alternating rounds (medians, and the minimum of each kind: other load only
-    adds), then a round with the masks on llguidance's thread pool (the GPU setting) for comparison."""
-    import llguidance as llg
-
-    from hotstart.config import EngineConfig
-    from hotstart.engine.core import EngineCore
-    from hotstart.messages import EngineRequest, SamplingParams
-    from hotstart.model.files import weight_files
-
-    core = EngineCore.build(EngineConfig(model_path=str(model_dir), weight_files=tuple(map(str, weight_files(model_dir))),
-                                         device="cpu", max_model_len=512, max_num_seqs=streams))
-    # orders, at least 50 of them: no stream can finish before its TOKENS
-    item = {k: v for k, v in ORDER.items() if k != "$defs"}
-    long = llg.LLMatcher.grammar_from_json_schema({"type": "array", "minItems": 50, "items": item,
-                                                   "$defs": ORDER["$defs"]})
-
-    def run(grammar: str | None, tag: str) -> list[float]:
-        for k in range(streams):
-            p = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, grammar=grammar)
-            core.add_request(EngineRequest(f"{tag}{k}", [1, 504, 3458, 314 + k], p))
-        steps = []
-        while core.has_work():
-            t = time.perf_counter()
-            outs = core.step()
-            if len(outs) == streams and len(core.scheduler.running) == streams:
-                steps.append(1e3 * (time.perf_counter() - t))
-        return steps
-
-    run(None, "warm")
-    run(long, "warm-json")  # imports llguidance, builds the tokenizer view, compiles
-    plain, constrained = [], []
-    for r in range(rounds):
-        constrained += run(long, f"json{r}-")
-        plain += run(None, f"plain{r}-")
-    core.grammars.executor = llg.LLExecutor()
-    pool = run(long, "pool-")
-    med = statistics.median
-    return {"streams": streams, "tokens": tokens, "rounds": rounds,
-            "plain_step_ms": {"median": med(plain), "min": min(plain)},
-            "constrained_step_ms": {"median": med(constrained), "min": min(constrained)},
-            "overhead_pct_median": 100 * (med(constrained) - med(plain)) / med(plain),
-            "overhead_pct_min": 100 * (min(constrained) - min(plain)) / min(plain),
-            "constrained_thread_pool_step_ms": {"median": med(pool), "min": min(pool)}}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokenizer", type=Path, default=default_tokenizer_dir(), help="folder with tokenizer.json")
+    ap.add_argument("--tokenizer", type=Path, default=default_tokenizer_dir(),
+                    help="folder with tokenizer.json")
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--steps", type=int, default=200, help="decode steps measured at most")
-    ap.add_argument("--engine", type=Path, default=None, help="also time EngineCore decode steps on this model")
     args = ap.parse_args()
     report = {"load_average": os.getloadavg(), "cpus": os.cpu_count(), "python": sys.version.split()[0]}
     for name, fn in (("llguidance", bench_llguidance), ("xgrammar", bench_xgrammar)):
@@ -183,8 +145,6 @@ def main() -> int:
             report[name] = fn(args.tokenizer, args.streams, args.steps)
         except ImportError as e:
             report[name] = f"not importable here ({e.name})"
-    if args.engine is not None:
-        report["engine"] = bench_engine(args.engine, args.streams)
     report["load_average_after"] = os.getloadavg()
     print(json.dumps(report, indent=2))
     return 0

@@ -1,9 +1,9 @@
 """Compare the prefetch methods (docs/prefetch.md): what each costs in CPU, and what it costs a concurrent
 `import torch`, on a cold file. The numbers behind storage.AUTO_METHOD.
 
-    python benchmarks/prefetch_methods.py --size-gb 3 --reps 5
-    python benchmarks/prefetch_methods.py --size-gb 14 --reps 5      # windowed: see the RAM guard below
-    python benchmarks/prefetch_methods.py --model ~/.cache/hotstart/models/qwen2-7b-random --reps 5
+    python benchmarks/investigations/prefetch_methods.py --size-gb 3 --reps 5
+    python benchmarks/investigations/prefetch_methods.py --size-gb 14 --reps 5   # windowed (RAM guard)
+    python benchmarks/investigations/prefetch_methods.py --model MODEL --reps 5   # e.g. qwen2-7b-random
 
 Each run evicts the file(s) (posix_fadvise DONTNEED, checked with mincore), starts a fresh child process
 that runs the real Prefetcher (hotstart/boot/prefetch.py) with one method, and - in the `+ import` runs -
@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from hotstart.bench.evict import FileSet, evict_sets
@@ -173,7 +173,8 @@ def one_run(a: argparse.Namespace, files: list[str], method: str | None, with_im
     if total > a.ram_fraction * avail:
         window = int(a.window_gb * 2**30)
         if 2 * window + (1 << 30) > avail:
-            raise SystemExit(f"MemAvailable {avail / 2**30:.1f} GiB cannot hold 2 windows of {a.window_gb} GiB")
+            raise SystemExit(f"MemAvailable {avail / 2**30:.1f} GiB cannot hold 2 windows of "
+                             f"{a.window_gb} GiB")
     rec: dict = {"method": method, "import": with_import, "window": window, "mem_available": avail}
     child = None
     if method is not None:
@@ -214,8 +215,8 @@ def fmt(x: float | None, spec: str = ".2f") -> str:
 
 def table(results: dict, total: int) -> str:
     alone_import = med(results.get(("none", True), []), "import_s")
-    header = ("| method | with import: populate s | GB/s | prefetch CPU s | CPU s/GB | import s | import x alone | "
-              "machine busy s | alone: populate s | GB/s | prefetch CPU s | first touch s |")
+    header = ("| method | with import: populate s | GB/s | prefetch CPU s | CPU s/GB | import s | "
+              "import x alone | machine busy s | alone: populate s | GB/s | prefetch CPU s | first touch s |")
     lines = [header, "|---" * 12 + "|"]
     lines.append(f"| (import alone) | | | | | {fmt(alone_import)} | 1.00x | "
                  f"{fmt(med(results.get(('none', True), []), 'busy_cpu_s'))} | | | | |")
@@ -225,7 +226,8 @@ def table(results: dict, total: int) -> str:
         cpu = med(w, "cpu_s")
         lines.append(f"| {m} | {fmt(med(w, 'wall_s'))} | {fmt(med(w, 'gbps'))} | {fmt(cpu, '.3f')} | "
                      f"{fmt(cpu / (total / 1e9) if cpu is not None else None, '.3f')} | {fmt(imp)} | "
-                     f"{fmt(imp / alone_import if imp and alone_import else None)}x | {fmt(med(w, 'busy_cpu_s'))} | "
+                     f"{fmt(imp / alone_import if imp and alone_import else None)}x | "
+                     f"{fmt(med(w, 'busy_cpu_s'))} | "
                      f"{fmt(med(s, 'wall_s'))} | {fmt(med(s, 'gbps'))} | {fmt(med(s, 'cpu_s'), '.3f')} | "
                      f"{fmt(med(s or w, 'touch_s'), '.3f')} |")
     return "\n".join(lines)
@@ -242,8 +244,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--block-mib", type=int, default=16)
     ap.add_argument("--no-alone", action="store_true", help="skip the runs without a concurrent import")
-    ap.add_argument("--cold-import", action="store_true", help="also evict torch's package files before each run")
-    ap.add_argument("--ram-fraction", type=float, default=0.5, help="populate in windows above this share of MemAvailable")
+    ap.add_argument("--cold-import", action="store_true",
+                    help="also evict torch's package files before each run")
+    ap.add_argument("--ram-fraction", type=float, default=0.5,
+                    help="populate in windows above this share of MemAvailable")
     ap.add_argument("--window-gb", type=float, default=1.0)
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--json", default=None, help="write every run here")
@@ -265,7 +269,8 @@ def main() -> None:
     methods = [m for m in a.methods.split(",") if m]
     if bad := set(methods) - set(METHODS):
         raise SystemExit(f"unknown method(s) {sorted(bad)}: expected some of {', '.join(METHODS)}")
-    configs = [("none", True)] + [(m, True) for m in methods] + ([] if a.no_alone else [(m, False) for m in methods])
+    configs = [("none", True)] + [(m, True) for m in methods]
+    configs += [] if a.no_alone else [(m, False) for m in methods]
     print(f"{len(files)} file(s), {total / 1e9:.2f} GB on {detect(files[0])}; {os.cpu_count()} CPUs; "
           f"kernel {os.uname().release}; MemAvailable {(mem_available() or 0) / 2**30:.1f} GiB; "
           f"{a.threads} threads x {a.block_mib} MiB; reps={a.reps} (+{a.warmup} warm-up)", flush=True)
@@ -284,7 +289,8 @@ def main() -> None:
                       + (f"populate {rec['wall_s']:.2f} s {rec['gbps']:.2f} GB/s cpu {rec['cpu_s']:.3f} s "
                          f"errors {rec['errors']} " if method != "none" else "")
                       + (f"import {rec['import_s']:.2f} s" if with_import else "")
-                      + (f" (windows of {rec['window'] / MiB:.0f} MiB)" if rec["window"] and method != "none" else ""),
+                      + (f" (windows of {rec['window'] / MiB:.0f} MiB)"
+                         if rec["window"] and method != "none" else ""),
                       flush=True)
                 if a.json:
                     Path(a.json).write_text(json.dumps(every, indent=1))

@@ -1,8 +1,9 @@
 """One `hotstart serve` of a model folder, cold or warm, and where its time and memory go, as JSON.
 
-    python benchmarks/scale_probe.py ~/.cache/hotstart/models/qwen2-7b-random --cold --max-model-len 2048
-    python benchmarks/scale_probe.py ~/.cache/hotstart/models/qwen2-7b-random --warm --max-model-len 2048
-    python benchmarks/scale_probe.py MODEL --cold --serve-args "--prefetch-method preadv" --out probe.json
+    python benchmarks/investigations/scale_probe.py MODEL --cold --max-model-len 2048
+    python benchmarks/investigations/scale_probe.py MODEL --warm --max-model-len 2048
+    python benchmarks/investigations/scale_probe.py MODEL --cold --serve-args "--prefetch-method preadv"
+    (MODEL: e.g. ~/.cache/hotstart/models/qwen2-7b-random, written by `hotstart make-model`)
 
 --cold evicts the weights and sidecars first (posix_fadvise DONTNEED, checked with mincore); --warm reads
 them into the page cache first. Then it launches the server (its own session, `--zygote off` so every
@@ -28,7 +29,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from hotstart.boot.prefetch import Prefetcher
@@ -119,7 +120,8 @@ class Sampler(threading.Thread):
 def residency(files: list[str]) -> dict:
     res = sum(resident_bytes(f)[0] for f in files)
     total = sum(os.path.getsize(f) for f in files)
-    return {"resident_bytes": res, "total_bytes": total, "resident_fraction": round(res / total, 4) if total else 0}
+    return {"resident_bytes": res, "total_bytes": total,
+            "resident_fraction": round(res / total, 4) if total else 0}
 
 
 def http(url: str, body: dict | None = None, timeout: float = 600) -> tuple[int, dict]:
@@ -175,8 +177,8 @@ def main() -> None:
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
     sampler = Sampler(proc.pid)
     sampler.start()
-    result: dict = {"model": str(model), "mode": "cold" if a.cold else "warm", "cmd": cmd, "log": str(log_path),
-                    "before": before, "snapshots": []}
+    result: dict = {"model": str(model), "mode": "cold" if a.cold else "warm", "cmd": cmd,
+                    "log": str(log_path), "before": before, "snapshots": []}
     try:
         url = None
         while url is None:

@@ -1,0 +1,111 @@
+"""The three measurements of `hotstart bench step`, each on the same BenchCore (engine_setup.py).
+
+profile   where a decode step's time goes: STEPS steps of STREAMS sequences timed without the
+          profiler, then STEPS more under torch.profiler for the table of ops by self CPU time (the
+          profiler adds ~20 us per op: its self times are upper bounds; "outside ops" = unprofiled
+          step - profiled op time is a lower bound on Python and dispatch)
+sampling  what the general sampler costs: the same decode with plain sampling, with penalties and
+          with logit_bias + min_p + min_tokens (temperature 0.8, seeded), interleaved rounds, medians
+grammar   what constrained decoding costs: all streams unconstrained vs all under a JSON-schema
+          grammar (llguidance), alternating rounds, full decode steps only, medians and minima
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from hotstart.bench.engine_setup import BenchCore, drain, start_batch, timed_steps
+
+SAMPLING_KINDS = {
+    "plain": {},
+    "penalties": {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1},
+    "bias+min_p": {"logit_bias": {5: -100.0, 6: 5.0}, "min_p": 0.05, "min_tokens": 8},
+}
+# An order: nested objects, arrays, enums, a pattern, $defs; as an array of >= 50 so no stream can end early
+STRING = {"type": "string"}
+ADDRESS = {"type": "object", "properties": {
+    "street": STRING, "city": STRING, "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+    "country": {"type": "string", "enum": ["FR", "DE", "US", "JP"]}},
+    "required": ["street", "city", "country"]}
+ORDER = {"type": "object", "properties": {
+    "order_id": STRING,
+    "customer": {"type": "object", "properties": {"name": STRING, "email": STRING, "vip": {"type": "boolean"},
+                                                  "shipping": {"$ref": "#/$defs/address"}},
+                 "required": ["name", "email", "shipping"]},
+    "items": {"type": "array", "minItems": 1, "items": {"type": "object", "properties": {
+        "sku": STRING, "quantity": {"type": "integer", "minimum": 1}, "price": {"type": "number"}},
+        "required": ["sku", "quantity", "price"]}},
+    "status": {"enum": ["pending", "paid", "shipped"]}},
+    "required": ["order_id", "customer", "items", "status"]}
+ORDERS = {"type": "array", "minItems": 50, "items": ORDER, "$defs": {"address": ADDRESS}}
+
+
+def _params(max_tokens: int, **extra):
+    from hotstart.messages import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **extra)
+
+
+def profile(bc: BenchCore, streams: int, context: int, steps: int, top: int) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    core = bc.core
+    start_batch(core, "profile", streams, context, _params(2 * steps + 16, temperature=0.0))
+    timed_steps(core, 5)  # first-use costs out of the way
+    wall = statistics.median(timed_steps(core, steps))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        profiled = timed_steps(core, steps)
+    drain(core)
+    rows = [{"op": e.key, "calls_per_step": e.count / steps,
+             "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps} for e in prof.key_averages()]
+    rows.sort(key=lambda r: -r["self_ms_per_step"])
+    in_ops = sum(r["self_ms_per_step"] for r in rows)
+    return {"streams": streams, "context": context, "steps": steps, "threads": torch.get_num_threads(),
+            "step_ms": wall * 1e3, "profiled_step_ms": statistics.median(profiled) * 1e3,
+            "in_torch_ops_ms": in_ops, "outside_ops_ms": wall * 1e3 - in_ops,
+            "tokens_per_s": streams / wall, "top": rows[:top]}
+
+
+def sampling(bc: BenchCore, streams: int, context: int, steps: int, rounds: int) -> dict:
+    core = bc.core
+    times: dict[str, list[float]] = {k: [] for k in SAMPLING_KINDS}
+    for rnd in range(rounds + 1):  # round 0 warms
+        for kind, extra in SAMPLING_KINDS.items():
+            start_batch(core, f"{kind}-{rnd}", streams, context,
+                        _params(steps + 2, temperature=0.8, seed=rnd, **extra))
+            ts = timed_steps(core, steps)
+            drain(core)
+            if rnd:
+                times[kind].append(statistics.median(ts))
+    plain = statistics.median(times["plain"])
+    return {"streams": streams, "rounds": rounds, "steps": steps,
+            "kinds": {k: {"step_ms_median": statistics.median(v) * 1e3, "step_ms_min": min(v) * 1e3,
+                          "x_plain": statistics.median(v) / plain} for k, v in times.items()}}
+
+
+def grammar(bc: BenchCore, streams: int, context: int, steps: int, rounds: int) -> dict:
+    import llguidance as llg
+
+    core = bc.core
+    schema = llg.LLMatcher.grammar_from_json_schema(ORDERS)
+
+    def run(constrained: bool, tag: str) -> list[float]:
+        g = {"grammar": schema} if constrained else {}
+        start_batch(core, tag, streams, context, _params(steps + 2, temperature=0.0, **g))
+        ts = timed_steps(core, steps, width=streams)
+        drain(core)
+        return ts
+
+    run(False, "warm")
+    run(True, "warm-json")  # imports llguidance in the engine, builds the tokenizer view, compiles
+    plain, constrained = [], []
+    for r in range(rounds):
+        constrained += run(True, f"json-{r}")
+        plain += run(False, f"plain-{r}")
+    med = statistics.median
+    return {"streams": streams, "rounds": rounds, "steps": steps,
+            "plain_step_ms": {"median": med(plain) * 1e3, "min": min(plain) * 1e3},
+            "constrained_step_ms": {"median": med(constrained) * 1e3, "min": min(constrained) * 1e3},
+            "overhead_pct_median": 100 * (med(constrained) - med(plain)) / med(plain),
+            "overhead_pct_min": 100 * (min(constrained) - min(plain)) / min(plain)}

@@ -1,0 +1,59 @@
+"""`hotstart bench step` (one EngineCore: profile, sampling, grammar) and `hotstart bench roofline`, end to
+end on tiny configurations; a few seconds each on 2 quiet cores."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from util import REPO, run_session
+
+
+def hotstart_bench(verb: str, args: list[str], env: dict | None = None, timeout: float = 300):
+    return run_session([sys.executable, "-m", "hotstart", "bench", verb, *args], timeout, env or os.environ,
+                       cwd=REPO)
+
+
+def test_step_all_parts_on_one_core(tmp_path, default_model_dir):
+    out = tmp_path / "step.json"
+    res = hotstart_bench("step", [str(default_model_dir), "--fast-path", "packed", "--streams", "2",
+                                  "--context", "8", "--steps", "2", "--rounds", "1", "--top", "4",
+                                  "--bandwidth", "10", "--json", str(out)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["dtype"] == "bfloat16" and data["fast_path"] == "packed" and data["pack_s"] > 0
+    p = data["profile"]
+    assert p["step_ms"] > 0 and p["tokens_per_s"] == 2 / (p["step_ms"] / 1000)
+    assert len(p["top"]) == 4 and any("linear" in r["op"] for r in p["top"])  # the packed (oneDNN) linears
+    assert p["roofline"]["bandwidth"] == {"bandwidth_gbs": 10, "source": "given"}
+    assert p["roofline_fraction"] > 0
+    assert set(data["sampling"]["kinds"]) == {"plain", "penalties", "bias+min_p"}
+    assert data["sampling"]["kinds"]["plain"]["x_plain"] == 1
+    assert data["grammar"]["constrained_step_ms"]["median"] > 0
+    assert "| op | calls/step | self ms/step | share |" in res.stdout and "x plain" in res.stdout
+
+
+def test_step_bad_parts_is_a_one_line_error():
+    res = hotstart_bench("step", ["--parts", "profile,nope"], timeout=60)
+    assert res.returncode == 2 and res.stderr.strip() == (
+        "hotstart: error: --parts 'profile,nope': give some of profile, sampling, grammar"), res.stderr
+
+
+def test_roofline_measures_saves_and_converts(tmp_path, default_model_dir):
+    env = {**os.environ, "HOTSTART_HOME": str(tmp_path / "home")}
+    args = [str(default_model_dir), "--size-mb", "16", "--reps", "2", "--threads", "1,2",
+            "--tokens-per-s", "20", "--context", "100"]
+    res = hotstart_bench("roofline", args, env, 120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    saved = json.loads((tmp_path / "home" / "bench" / "roofline.json").read_text())["cpu"]
+    kinds = {(r["kernel"], r["threads"]) for r in saved["results"]}
+    assert kinds == {("read", 1), ("read", 2), ("copy", 1), ("copy", 2)}
+    assert all(r["best_gbs"] >= r["median_gbs"] > 0 for r in saved["results"])
+    read2 = next(r for r in saved["results"] if r["kernel"] == "read" and r["threads"] == 2)
+    assert saved["bandwidth_gbs"] == read2["median_gbs"] and saved["threads"] == 2
+    assert "of the roofline" in res.stdout and "269.0 MB of BF16 weights per step" in res.stdout
+    # `bench serve` / `bench step` take the saved figure (here: from a child that finds it)
+    code = "from hotstart.bench import roofline; print(roofline.bandwidth(None, measure_if_unknown=False))"
+    got = run_session([sys.executable, "-c", code], 60, env, cwd=REPO)
+    assert str(saved["bandwidth_gbs"]) in got.stdout
