@@ -35,10 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(s.add_argument_group("engine"), EngineConfig)
 
     g = sub.add_parser("generate", help="generate text offline (no server)")
-    g.add_argument("model", nargs="?", default=None, help="model folder or hub id (default: the embedded model)")
+    g.add_argument(
+        "model", nargs="?", default=None, help="model folder or hub id (default: the embedded model)"
+    )
     g.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) in the local cache")
     g.add_argument("--prompt", required=True, help="the prompt text")
-    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    g.add_argument(
+        "--chat", action="store_true", help="wrap the prompt as a user message in the chat template"
+    )
     g.add_argument("--max-tokens", type=non_negative, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)
@@ -50,18 +54,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_commands(sub)
 
-    z = sub.add_parser("zygote", help="a warm process (torch imported) that outlives servers and forks their engines",
-                       description="Run this user's zygote: `hotstart serve` then forks its engine from it "
-                                   "instead of importing torch again (see README: when to run one).")
+    z = sub.add_parser(
+        "zygote",
+        help="a warm process (torch imported) that outlives servers and forks their engines",
+        description="Run this user's zygote: `hotstart serve` then forks its engine from it "
+        "instead of importing torch again (see README: when to run one).",
+    )
     zsub = z.add_subparsers(dest="zygote_command", metavar="ACTION", required=True)
     zs = zsub.add_parser("start", help="start it (in the background) and wait until it answers")
     zs.add_argument("--keep", nargs="+", action="extend", default=[], metavar="MODEL",
                     help="keep these models' files resident (mlock'ed, within half of MemAvailable)")
-    zs.add_argument("--foreground", action="store_true", help="run it in this process (for a service manager)")
-    zsub.add_parser("stop", help="stop it and every engine it forked (their servers fall back to a local forkserver)")
+    zs.add_argument(
+        "--foreground", action="store_true", help="run it in this process (for a service manager)"
+    )
+    zsub.add_parser(
+        "stop", help="stop it and every engine it forked (their servers fall back to a local forkserver)"
+    )
     zsub.add_parser("status", help="pid, age, CPU, memory and kept models (exit code 3: none running)")
 
-    t = sub.add_parser("timeline", help="draw a startup trace (from --startup-trace or GET /startup) as a PNG")
+    t = sub.add_parser(
+        "timeline", help="draw a startup trace (from --startup-trace or GET /startup) as a PNG"
+    )
     t.add_argument("trace", help="the JSON file")
     t.add_argument("-o", "--output", default="startup.png", help="PNG to write")
     return parser

@@ -57,6 +57,10 @@ def run_generate(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - t0
     decode_s = elapsed - (first_token_s or 0.0)
     rate = (n_out - 1) / decode_s if n_out > 1 and decode_s > 0 else 0.0
-    print(f"[{len(ids)} prompt tokens, {n_out} generated; load {t_load:.2f} s, first token {first_token_s or 0:.3f} s, "
-          f"decode {rate:.1f} tok/s on {core.placement.device} {str(core.placement.dtype)[6:]}]", file=sys.stderr)
+    print(
+        f"[{len(ids)} prompt tokens, {n_out} generated; load {t_load:.2f} s, first token "
+        f"{first_token_s or 0:.3f} s, "
+        f"decode {rate:.1f} tok/s on {core.placement.device} {str(core.placement.dtype)[6:]}]",
+        file=sys.stderr,
+    )
     return 0

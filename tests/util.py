@@ -47,7 +47,9 @@ class Server:
     A thin wrapper of hotstart.bench.process.Server (own session, output pumped into `lines`, URL read
     from it), with the interface the tests use: url, lines, output, descendants(), stop(), kill()."""
 
-    def __init__(self, *args: str, env: dict | None = None, ready_timeout: float = 120.0, wait_ready: bool = True):
+    def __init__(
+        self, *args: str, env: dict | None = None, ready_timeout: float = 120.0, wait_ready: bool = True
+    ):
         from hotstart.bench.process import RunFailed
         from hotstart.bench.process import Server as Launched
 

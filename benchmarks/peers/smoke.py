@@ -117,7 +117,9 @@ def tail(path: Path, n: int = 20) -> str:
 
 
 def vllm_cache_note(env: dict) -> str:
-    root = Path(env.get("VLLM_CACHE_ROOT") or os.environ.get("VLLM_CACHE_ROOT") or Path.home() / ".cache" / "vllm")
+    root = Path(
+        env.get("VLLM_CACHE_ROOT") or os.environ.get("VLLM_CACHE_ROOT") or Path.home() / ".cache" / "vllm"
+    )
     cache = root / "torch_compile_cache"
     return "compile cache present (a cached start)" if cache.is_dir() and any(cache.iterdir()) else \
         f"no compile cache in {root} yet (a first start: it compiles)"

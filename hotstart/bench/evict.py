@@ -31,7 +31,8 @@ MODES = ("none", "weights", "all")
 # Asked of a program's interpreter: where its imports come from.
 _PATHS_CODE = (
     "import json, site, sysconfig; p = sysconfig.get_paths(); "
-    "print(json.dumps([[p['stdlib'], p['platstdlib']], sorted({p['purelib'], p['platlib'], *site.getsitepackages()})]))"
+    "print(json.dumps([[p['stdlib'], p['platstdlib']], "
+    "sorted({p['purelib'], p['platlib'], *site.getsitepackages()})]))"
 )
 
 
@@ -133,8 +134,11 @@ def build_cold_sets(weight_paths: list[Path], programs: dict[str, tuple[str | No
     for label, (py, extra_dirs, extra_files) in programs.items():
         mine = list(extra_dirs)
         if py is None:
-            notes.append(f"{label}: its interpreter is unknown: only its model files and {extra_files or 'nothing else'}"
-                         " are evicted")
+            notes.append(
+                f"{label}: its interpreter is unknown: only its model files and "
+                f"{extra_files or 'nothing else'}"
+                " are evicted"
+            )
         else:
             if py not in asked:
                 asked[py] = python_env_dirs(py)
@@ -143,8 +147,11 @@ def build_cold_sets(weight_paths: list[Path], programs: dict[str, tuple[str | No
             stdlib, site_dirs = asked[py]
             mine += stdlib + site_dirs
             sites.update(os.path.realpath(d) for d in site_dirs)
-        per_config[label] = {"python": py, "dirs": sorted({os.path.realpath(d) for d in mine if os.path.isdir(d)}),
-                             "files": list(extra_files)}
+        per_config[label] = {
+            "python": py,
+            "dirs": sorted({os.path.realpath(d) for d in mine if os.path.isdir(d)}),
+            "files": list(extra_files),
+        }
         dirs += mine
         files += extra_files
     # Keep only outermost folders: a venv's site-packages may lie under another listed folder.

@@ -26,7 +26,9 @@ from hotstart.errors import HotstartError
 # --peers key -> (commands.env variable, table label)
 KNOWN = {"vllm": ("VLLM_PEER", "vLLM"), "llamacpp": ("LLAMACPP_PEER", "llama.cpp"),
          "transformers": ("TRANSFORMERS_PEER", "transformers serve")}
-VLLM_TIMEOUT_S = 400.0  # launch -> answer limit of a vLLM peer unless --timeout names it (starts take 60-120 s here)
+VLLM_TIMEOUT_S = (
+    400.0  # launch -> answer limit of a vLLM peer unless --timeout names it (starts take 60-120 s here)
+)
 MODEL_SUFFIXES = (".gguf", ".safetensors", ".bin", ".pt", ".pth")
 
 
@@ -35,7 +37,8 @@ def peers_dir() -> Path:
 
 
 def read_commands_env(path: Path) -> dict[str, str]:
-    """VAR='shell-quoted value' lines (as setup.sh writes them) -> {VAR: value}; comments and blanks skipped."""
+    """VAR='shell-quoted value' lines (as setup.sh writes them) -> {VAR: value}; comments and blanks
+    skipped."""
     out: dict[str, str] = {}
     for n, line in enumerate(path.read_text().splitlines(), 1):
         line = line.strip()
@@ -144,7 +147,8 @@ def program_files(words: list[str], env: dict[str, str]) -> list[str]:
 
 
 def vllm_cache_root(env: dict[str, str]) -> Path:
-    """vLLM's cache root as vllm/envs.py finds it: VLLM_CACHE_ROOT, else $XDG_CACHE_HOME/vllm, else ~/.cache/vllm."""
+    """vLLM's cache root as vllm/envs.py finds it: VLLM_CACHE_ROOT, else $XDG_CACHE_HOME/vllm, else
+    ~/.cache/vllm."""
     root = env.get("VLLM_CACHE_ROOT") or os.environ.get("VLLM_CACHE_ROOT")
     if root:
         return Path(os.path.expanduser(root))

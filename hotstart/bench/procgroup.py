@@ -8,7 +8,8 @@ import signal
 
 
 def group_members(pgid: int, root_pid: int) -> set[int]:
-    """Live pids in process group `pgid` plus the descendants of `root_pid` (which may have left the group)."""
+    """Live pids in process group `pgid` plus the descendants of `root_pid` (which may have left the
+    group)."""
     try:
         import psutil  # noqa: PLC0415 - imported before any eviction by the harness (see startup.py)
     except ImportError:

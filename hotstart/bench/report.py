@@ -17,16 +17,23 @@ def progress_line(rec: dict, rnd: int, runs: int, width: int) -> str:
     res = " ".join(f"{k} {v:.1f}%" for k, v in rec.get("residency", {}).items())
     if "what" in rec:  # a floor measurement
         extra = f"  {rec['gbps']:.2f} GB/s" if "gbps" in rec else ""
-        return f"{head} {'floor: ' + rec['what']:<{width + 8}} {rec['seconds']:7.2f} s{extra}  resident: {res}"
+        return (
+            f"{head} {'floor: ' + rec['what']:<{width + 8}} {rec['seconds']:7.2f} s{extra}  resident: {res}"
+        )
     if rec["ok"]:
-        what = (f"health {rec['t_health']:6.2f} s  first {rec['t_first']:6.2f} s  repeat {rec.get('t_repeat', 0):5.2f} s"
-                f"  answer {rec['answer'][:48]!r}")
+        what = (
+            f"health {rec['t_health']:6.2f} s  first {rec['t_first']:6.2f} s  repeat "
+            f"{rec.get('t_repeat', 0):5.2f} s"
+            f"  answer {rec['answer'][:48]!r}"
+        )
     else:
         what = f"FAILED: {rec.get('error', '?')}"
     if rec.get("vllm_cache_added"):
         what += f"  (compiled: +{rec['vllm_cache_added']} files in vLLM's cache)"
     left = rec.get("stop", {}).get("leftover")
-    line = f"{head} {rec['config']:<{width + 8}} {what}  resident: {res}" + (f"  LEFTOVER {left}" if left else "")
+    line = f"{head} {rec['config']:<{width + 8}} {what}  resident: {res}" + (
+        f"  LEFTOVER {left}" if left else ""
+    )
     err = (rec.get("stderr_tail") or "").splitlines()[-3:]
     return line + "".join(f"\n      | {e}" for e in err)
 
@@ -63,7 +70,9 @@ def summarize(data: dict) -> list[dict]:
     """Rows per (mode, config) and floor rows, from the measured (non-warm-up) runs."""
     rows: list[dict] = []
     configs = [c["label"] for c in data["meta"]["configs"]]
-    peer_labels = [c["label"] for c in data["meta"]["configs"] if c["kind"] == "peer" and not c.get("first_start")]
+    peer_labels = [
+        c["label"] for c in data["meta"]["configs"] if c["kind"] == "peer" and not c.get("first_start")
+    ]
     for mode in data["meta"]["modes"]:
         fl = {w: _stats([f["seconds"] for f in data["floor"] if f["mode"] == mode and f["what"] == w
                          and f["ok"] and not f["warmup"]]) for w in ("import_torch", "read_weights")}
@@ -77,7 +86,11 @@ def summarize(data: dict) -> list[dict]:
                 continue  # e.g. the vLLM first start outside its mode
             ok = [r for r in runs if r["ok"]]
             costs = [r for r in ok if "t_repeat" in r]
-            ratios = [(r["t_first"] - r["t_repeat"]) / by_round[r["round"]] for r in costs if by_round.get(r["round"])]
+            ratios = [
+                (r["t_first"] - r["t_repeat"]) / by_round[r["round"]]
+                for r in costs
+                if by_round.get(r["round"])
+            ]
             mode_rows.append({
                 "mode": mode, "config": label, "n": len(runs), "ok": len(ok),
                 "health": _stats([r["t_health"] for r in ok]), "first": _stats([r["t_first"] for r in ok]),
@@ -95,12 +108,24 @@ def summarize(data: dict) -> list[dict]:
         rows += mode_rows
         for what, s in fl.items():
             if s:
-                gb = [f["gbps"] for f in data["floor"] if f["mode"] == mode and f["what"] == what and not f["warmup"]
-                      and "gbps" in f]
+                gb = [
+                    f["gbps"]
+                    for f in data["floor"]
+                    if f["mode"] == mode and f["what"] == what and not f["warmup"] and "gbps" in f
+                ]
                 name = "floor: import torch" if what == "import_torch" else \
                     "floor: read weights" + (f" ({statistics.median(gb):.2f} GB/s)" if gb else "")
-                rows.append({"mode": mode, "config": name, "n": s["n"], "ok": s["n"], "health": {}, "first": s,
-                             "floor_part": what})
+                rows.append(
+                    {
+                        "mode": mode,
+                        "config": name,
+                        "n": s["n"],
+                        "ok": s["n"],
+                        "health": {},
+                        "first": s,
+                        "floor_part": what,
+                    }
+                )
         if floor is not None:
             rows.append({"mode": mode, "config": "floor = max(import, read)", "n": 0, "ok": 0, "health": {},
                          "first": {"median": floor}, "floor_part": "max"})
@@ -126,9 +151,16 @@ def vllm_cache_line(meta: dict, runs: list[dict] = ()) -> str:
         return ""
     line = (f"vLLM compile cache warm: {'yes' if c['warm'] else 'no'} ({c['files']} files in {c['path']}; "
             "kept: never evicted)")
-    grew = [f"{r['config']} {'warm-up' if r['warmup'] else 'run'} {r['round'] if r['warmup'] else r['round'] + 1} "
-            f"{r['mode']} (+{r['vllm_cache_added']} files)" for r in runs if r.get("vllm_cache_added")]
-    return line + ("; runs that compiled anyway (no entry for this model path yet): " + ", ".join(grew) if grew else "")
+    grew = [
+        f"{r['config']} {'warm-up' if r['warmup'] else 'run'} "
+        f"{r['round'] if r['warmup'] else r['round'] + 1} "
+        f"{r['mode']} (+{r['vllm_cache_added']} files)"
+        for r in runs
+        if r.get("vllm_cache_added")
+    ]
+    return line + (
+        "; runs that compiled anyway (no entry for this model path yet): " + ", ".join(grew) if grew else ""
+    )
 
 
 def format_table(rows: list[dict], data: dict | None = None) -> str:
@@ -138,7 +170,9 @@ def format_table(rows: list[dict], data: dict | None = None) -> str:
     floor max(import, read) of the same round), and median first against the first config, the floor
     and each peer."""
     meta = (data or {}).get("meta", {})
-    peer_labels = [c["label"] for c in meta.get("configs", []) if c["kind"] == "peer" and not c.get("first_start")]
+    peer_labels = [
+        c["label"] for c in meta.get("configs", []) if c["kind"] == "peer" and not c.get("first_start")
+    ]
     cache = vllm_cache_line(meta, (data or {}).get("runs", []))
     lines = [cache, ""] if cache else []
     lines += ["Seconds from launch:", "",
@@ -147,22 +181,54 @@ def format_table(rows: list[dict], data: dict | None = None) -> str:
     for r in rows:
         h, f = r["health"], r["first"]
         ok = f"{r['ok']}/{r['n']}" if "floor_part" not in r else ""
-        lines.append("| " + " | ".join([
-            r["mode"], r["config"], ok, _f(h.get("median")), _f(h.get("min")), _f(h.get("max")), _f(h.get("stdev")),
-            _f(f.get("median")), _f(f.get("min")), _f(f.get("max")), _f(f.get("stdev")),
-            _f(r.get("repeat", {}).get("median")), _f(r.get("start_cost", {}).get("median"))]) + " |")
-    lines += ["", "Ratios (start cost = first - repeat; floor = max(import, read) of the same round):", "",
-              f"| mode | config | start cost / floor | <= {COST_GOAL}x | first / first config | first / floor | "
-              + "".join(f"first / {p} | " for p in peer_labels).rstrip(),
-              "|" + "---|" * (6 + len(peer_labels))]
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r["mode"],
+                    r["config"],
+                    ok,
+                    _f(h.get("median")),
+                    _f(h.get("min")),
+                    _f(h.get("max")),
+                    _f(h.get("stdev")),
+                    _f(f.get("median")),
+                    _f(f.get("min")),
+                    _f(f.get("max")),
+                    _f(f.get("stdev")),
+                    _f(r.get("repeat", {}).get("median")),
+                    _f(r.get("start_cost", {}).get("median")),
+                ]
+            )
+            + " |"
+        )
+    lines += [
+        "",
+        "Ratios (start cost = first - repeat; floor = max(import, read) of the same round):",
+        "",
+        f"| mode | config | start cost / floor | <= {COST_GOAL}x | first / first config | first / floor | "
+        + "".join(f"first / {p} | " for p in peer_labels).rstrip(),
+        "|" + "---|" * (6 + len(peer_labels)),
+    ]
     for r in rows:
         if "floor_part" in r:
             continue
         cx = r.get("cost_x_floor")
-        lines.append("| " + " | ".join([
-            r["mode"], r["config"], _f(cx, "{:.2f}x"), "" if cx is None else ("yes" if cx <= COST_GOAL else "no"),
-            _f(r.get("x_first_config"), "{:.2f}x"), _f(r.get("x_floor"), "{:.2f}x"),
-            *(_f(r["x_peers"].get(p), "{:.2f}x") for p in peer_labels)]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r["mode"],
+                    r["config"],
+                    _f(cx, "{:.2f}x"),
+                    "" if cx is None else ("yes" if cx <= COST_GOAL else "no"),
+                    _f(r.get("x_first_config"), "{:.2f}x"),
+                    _f(r.get("x_floor"), "{:.2f}x"),
+                    *(_f(r["x_peers"].get(p), "{:.2f}x") for p in peer_labels),
+                ]
+            )
+            + " |"
+        )
     if data is not None:
         lines += ["", "Answers (every run, warm-up included):", ""]
         for label, a in answers(data).items():

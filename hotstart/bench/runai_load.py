@@ -1,6 +1,7 @@
 """The Run:ai Model Streamer's load of s3:// safetensors, run in ITS environment (stdlib +
 runai-model-streamer + runai-model-streamer-s3 + torch; nothing of hotstart):
-`PYTHON runai_load.py s3://BUCKET/KEY ...` streams every tensor of the files to CPU memory (as vLLM's --load-format runai_streamer does) and prints
+`PYTHON runai_load.py s3://BUCKET/KEY ...` streams every tensor of the files to CPU memory (as vLLM's
+--load-format runai_streamer does) and prints
 {"import_s", "load_s", "bytes", "tensors"} as JSON: load_s is from the first stream_files call to the last
 tensor (its interpreter and import time are import_s, apart). Endpoint and credentials from the
 environment."""

@@ -1,10 +1,12 @@
 """`hotstart bench startup`: cold/warm A/B startup benchmark against peers and the floor.
 
 For each round, each cold mode and each config (interleaved, so drift in the machine hits every config
-alike; each round starts with the next config): evict, check residency with mincore, launch on a free port, time /health == 200 (t_health) and a
+alike; each round starts with the next config): evict, check residency with mincore, launch on a free
+port, time /health == 200 (t_health) and a
 verified greedy chat completion (t_first; hotstart's answer must contain --expect, a peer's
 --expect-peers), then the same request again (t_repeat: t_first - t_repeat is the start's own cost),
-keep hotstart's /startup timeline, stop the process group and check nothing is left. The floor is measured in the same rounds: `python -c "import torch"` and a
+keep hotstart's /startup timeline, stop the process group and check nothing is left. The floor is
+measured in the same rounds: `python -c "import torch"` and a
 sequential read of the weight files, after the same eviction. results.json is rewritten after every run,
 so Ctrl-C (or a crash) keeps what was measured.
 """
@@ -39,7 +41,9 @@ VARIANTS = {"no-prefetch": (["--no-prefetch"], {}), "no-prespawn": (["--no-presp
 def _hotstart_target(spec: str, model: str | None, extra: list[str]) -> Target:
     name, _, rest = spec.partition(":")
     if name != "hotstart":
-        raise HotstartError(f"--config {spec!r}: must be hotstart[:VARIANT[+VARIANT]] (use --peer for other servers)")
+        raise HotstartError(
+            f"--config {spec!r}: must be hotstart[:VARIANT[+VARIANT]] (use --peer for other servers)"
+        )
     flags, env = [], {}
     for v in filter(None, rest.split("+")):
         if v not in VARIANTS:
@@ -76,7 +80,13 @@ class Bench:
     """The state of one benchmark: where results go and what each mode evicts."""
 
     def __init__(self, args, targets: list[Target], model_path: Path, weights: list[Path], out: Path):
-        self.args, self.targets, self.model_path, self.weights, self.out = args, targets, model_path, weights, out
+        self.args, self.targets, self.model_path, self.weights, self.out = (
+            args,
+            targets,
+            model_path,
+            weights,
+            out,
+        )
         self.modes = list(dict.fromkeys(args.cold or ["all"]))
         self.timeout, _ = peers.parse_timeouts(args.timeout)
         self.gguf = peers.default_gguf() if any(peers.needs_gguf(t.argv) for t in targets) else None
@@ -95,22 +105,40 @@ class Bench:
                 programs["floor: import torch"] = (sys.executable, [], [])
         vllm = next((t for t in targets if t.vllm), None)
         keep = [str(peers.vllm_cache_root(vllm.env))] if vllm else []
-        self.cold = ev.build_cold_sets(weights, programs, [Path(p) for fs in model_files.values() for p in fs], keep)
+        self.cold = ev.build_cold_sets(
+            weights, programs, [Path(p) for fs in model_files.values() for p in fs], keep
+        )
         self.base_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
         self.runs: list[dict] = []
         self.floor: list[dict] = []
         configs = [{**t.meta(), "model_files": model_files.get(t.label, []),
                     "evicted_in_cold_all": self.cold.per_config.get(t.label)} for t in targets]
         self.meta = {
-            "model": str(model_path), "weights_bytes": sum(p.stat().st_size for p in weights), "gguf": self.gguf,
-            "modes": self.modes, "configs": configs, "runs": args.runs, "warmup": args.warmup,
-            "timeout": self.timeout, "expect": args.expect, "expect_peers": args.expect_peers, "prompt": args.prompt,
-            "max_tokens": args.max_tokens, "env_files": len(self.cold.env.paths), "env_bytes": self.cold.env.nbytes,
-            "env_dirs": self.cold.env_dirs, "peer_weights": self.cold.peer_weights.paths,
-            "never_evicted": self.cold.kept, "notes": self.cold.notes,
+            "model": str(model_path),
+            "weights_bytes": sum(p.stat().st_size for p in weights),
+            "gguf": self.gguf,
+            "modes": self.modes,
+            "configs": configs,
+            "runs": args.runs,
+            "warmup": args.warmup,
+            "timeout": self.timeout,
+            "expect": args.expect,
+            "expect_peers": args.expect_peers,
+            "prompt": args.prompt,
+            "max_tokens": args.max_tokens,
+            "env_files": len(self.cold.env.paths),
+            "env_bytes": self.cold.env.nbytes,
+            "env_dirs": self.cold.env_dirs,
+            "peer_weights": self.cold.peer_weights.paths,
+            "never_evicted": self.cold.kept,
+            "notes": self.cold.notes,
             "vllm_compile_cache": peers.vllm_compile_cache(vllm.env) if vllm else None,
             "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "load1": os.getloadavg()[0]},
+            "machine": {
+                "cpus": os.cpu_count(),
+                "python": sys.version.split()[0],
+                "load1": os.getloadavg()[0],
+            },
         }
         self.interrupted = False
 
@@ -124,12 +152,18 @@ class Bench:
         out = {"evict_s": round(took, 3), "residency": res}
         if sets and res["weights"] > 5.0:  # DONTNEED cannot drop pages another process maps: say who
             holders = ev.mapped_by(self.cold.weights.paths)
-            out["warning"] = f"weights {res['weights']:.0f}% resident after eviction; mapped by {holders or '?'}"
+            out["warning"] = (
+                f"weights {res['weights']:.0f}% resident after eviction; mapped by {holders or '?'}"
+            )
             print(f"hotstart bench startup: WARNING: {out['warning']}", file=sys.stderr, flush=True)
         return out
 
     def save(self) -> None:
-        data = {"meta": {**self.meta, "interrupted": self.interrupted}, "runs": self.runs, "floor": self.floor}
+        data = {
+            "meta": {**self.meta, "interrupted": self.interrupted},
+            "runs": self.runs,
+            "floor": self.floor,
+        }
         data["answers"] = report.answers(data)
         tmp = self.out / "results.json.tmp"
         tmp.write_text(json.dumps(data, indent=1))
@@ -192,7 +226,9 @@ class Bench:
 
     def measure_floor(self, what: str, mode: str, rnd: int, warm: bool) -> dict:
         rec = {"what": what, "mode": mode, "round": rnd, "warmup": warm, **self.evict(mode)}
-        rec.update(floor.import_torch(self.timeout) if what == "import_torch" else floor.read_weights(self.weights))
+        rec.update(
+            floor.import_torch(self.timeout) if what == "import_torch" else floor.read_weights(self.weights)
+        )
         return rec
 
     def loop(self) -> None:
@@ -205,8 +241,12 @@ class Bench:
                 if last == "all" and mode != "all":  # the env is half evicted: bring it back for every config
                     took = ev.warm_sets([self.cold.env])
                     self.meta.setdefault("env_rewarm_s", []).append(round(took, 2))
-                    print(f"hotstart bench startup: environment read back into the page cache in {took:.1f} s "
-                          f"(after the cold-all runs, before {mode})", file=sys.stderr, flush=True)
+                    print(
+                        f"hotstart bench startup: environment read back into the page cache in {took:.1f} s "
+                        f"(after the cold-all runs, before {mode})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 last = mode
                 # Each round starts with another config: a slot's own effects (the first run after the
                 # re-warm measured ~0.2 s slower) are shared out instead of charged to one config.
@@ -230,7 +270,8 @@ def _on_sigterm(signum, frame):  # noqa: ARG001 - treated as Ctrl-C: stop the se
 
 
 def run_startup_bench(args: argparse.Namespace) -> int:
-    """Entry point of `hotstart bench startup`. Exit code 0: every run ok; 1: some failed; 130: interrupted."""
+    """Entry point of `hotstart bench startup`. Exit code 0: every run ok; 1: some failed; 130:
+    interrupted."""
     _check_args(args)
     targets = build_targets(args)
     from hotstart.boot.resolve import resolve_model  # noqa: PLC0415

@@ -1,4 +1,5 @@
-"""The configs of `hotstart bench startup`: one launchable command each, with its label, model, check and limit.
+"""The configs of `hotstart bench startup`: one launchable command each, with its label, model, check
+and limit.
 
 hotstart configs are built in startup.py (its VARIANTS); peers here: `--peer CMD [--peer-name NAME]`
 and `--peers vllm,llamacpp,transformers` (commands.env of `make peers`, see peers.py).

@@ -57,7 +57,10 @@ def ensure_default_model(quiet: bool = False, timeout: float = 900.0) -> Path:
         return target
     find_gguf()  # fail fast, with the install hint, before starting a subprocess
     if not quiet:
-        print(f"hotstart: converting the default model {DEFAULT_MODEL_NAME} into {target} (once)", file=sys.stderr)
+        print(
+            f"hotstart: converting the default model {DEFAULT_MODEL_NAME} into {target} (once)",
+            file=sys.stderr,
+        )
     cmd = [sys.executable, "-m", "hotstart.boot.default_model", str(target)]
     returncode, reason = _run_converter(cmd, quiet, timeout)
     if returncode != 0:
@@ -72,7 +75,9 @@ def _run_converter(cmd: list[str], quiet: bool, timeout: float) -> tuple[int, st
 
     Its progress is passed through to stderr unless QUIET; its reason is held back, to become the one
     `hotstart: error:` line the CLI prints."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, errors="replace")
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, errors="replace"
+    )
     reason: list[str] = []
 
     def pump() -> None:
@@ -116,7 +121,9 @@ def convert(target: Path) -> None:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         _step("dequantising weights (Q4_1 -> bf16)", t0)
         # float32 is the fast dequantisation path; the copy into the bf16 model casts once.
-        quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        quantised = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
         if hasattr(config, "quantization_config"):
             del config.quantization_config
@@ -147,7 +154,9 @@ def main() -> int:
         return 1
     except Exception as e:  # noqa: BLE001 - OSError, safetensors' SafetensorError (not an OSError), ...
         if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e):
-            reason = f"no space left on device in {target.parent} (the model needs ~300 MB; set HOTSTART_HOME)"
+            reason = (
+                f"no space left on device in {target.parent} (the model needs ~300 MB; set HOTSTART_HOME)"
+            )
         else:
             reason = f"{type(e).__name__}: {e}".splitlines()[0]
         print(f"hotstart: default model conversion failed: {reason}", file=sys.stderr)

@@ -104,7 +104,9 @@ class _ZeroCopy:
                 return
             missing = start + i * PAGE_SIZE
             if missing == target:
-                raise OSError(errno.EIO, f"page at byte {target} does not stay in the page cache after a read")
+                raise OSError(
+                    errno.EIO, f"page at byte {target} does not stay in the page cache after a read"
+                )
             target = missing
 
 
@@ -152,7 +154,9 @@ class Madvise(_ZeroCopy):
             self._populate_ok = False
             super()._wait(fd, fmap, start, length)
         elif err == errno.EFAULT:
-            raise OSError(errno.EIO, f"bytes {start}-{start + length} are past the end of the file (truncated?)")
+            raise OSError(
+                errno.EIO, f"bytes {start}-{start + length} are past the end of the file (truncated?)"
+            )
         elif err:
             raise OSError(err, f"madvise(MADV_POPULATE_READ): {os.strerror(err)}")
         fmap.advise(start, length, MADV_DONTNEED)  # unmap: the page cache keeps the pages

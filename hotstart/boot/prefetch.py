@@ -268,7 +268,9 @@ class Prefetcher:
 
     def _run(self) -> None:
         try:
-            pop = populator(self.plan.method, self._block, self.plan.chunk_bytes)  # buffers for the thread's life
+            pop = populator(
+                self.plan.method, self._block, self.plan.chunk_bytes
+            )  # buffers for the thread's life
             vec = (ctypes.c_ubyte * pages(self._block))()
             idle_io = self._idle_io_until is not None and not self._idle_io_until()
             if idle_io:

@@ -243,13 +243,19 @@ def plan(info: StorageInfo, total_bytes: int, mem_available: int | None,
         return made(False, f"already in RAM ({info.fstype})")
     if mem_available is not None:
         if total_bytes > mem_available:
-            return made(False, f"weights ({_gb(total_bytes)}) exceed MemAvailable ({_gb(mem_available)}): the "
-                               "page cache cannot hold them, prefetched pages would be evicted before use")
+            return made(
+                False,
+                f"weights ({_gb(total_bytes)}) exceed MemAvailable ({_gb(mem_available)}): the "
+                "page cache cannot hold them, prefetched pages would be evicted before use",
+            )
         budget = max(block, int(mem_available * o.ram_fraction) // block * block)
         if total_bytes > budget:
-            return made(True, f"{where}: {how}; at most {_gb(budget)} ahead of the loader (weights "
-                              f"{_gb(total_bytes)} > {o.ram_fraction:.0%} of MemAvailable {_gb(mem_available)})",
-                        budget)
+            return made(
+                True,
+                f"{where}: {how}; at most {_gb(budget)} ahead of the loader (weights "
+                f"{_gb(total_bytes)} > {o.ram_fraction:.0%} of MemAvailable {_gb(mem_available)})",
+                budget,
+            )
     return made(True, f"{where}: {how}")
 
 

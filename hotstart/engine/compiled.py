@@ -26,7 +26,9 @@ class CompiledForward:
         pre = [graphs.layer_inputs(layer, spec.pre_names()) for layer in layers]
         self.first_pre = pre[0]
         self.last_post = post[-1]
-        self.mid_weights = [post[i] + pre[i + 1] for i in range(len(layers) - 1)]  # graph inputs after activations
+        self.mid_weights = [
+            post[i] + pre[i + 1] for i in range(len(layers) - 1)
+        ]  # graph inputs after activations
 
     def load(self, tokens: int, path: str) -> None:
         """Load the package for TOKENS; from the next step on, steps of <= TOKENS tokens may use it."""
@@ -39,7 +41,9 @@ class CompiledForward:
         return min(fits) if fits else None
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata, bucket: int) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata, bucket: int
+    ) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden: [T, hidden], as CausalLM.forward
         spec, backbone, run = self.spec, self.model.model, self.loaders[bucket].run
         t, pad = input_ids.shape[0], bucket - input_ids.shape[0]

@@ -42,7 +42,9 @@ def _idle_priority() -> None:
     if nr is not None:
         import ctypes  # noqa: PLC0415
 
-        ctypes.CDLL(None, use_errno=True).syscall(nr, IOPRIO_WHO_PROCESS, 0, IOPRIO_CLASS_IDLE << IOPRIO_CLASS_SHIFT)
+        ctypes.CDLL(None, use_errno=True).syscall(
+            nr, IOPRIO_WHO_PROCESS, 0, IOPRIO_CLASS_IDLE << IOPRIO_CLASS_SHIFT
+        )
 
 
 def compile_bucket(spec, tokens: int, dtype, folder: Path) -> Path:

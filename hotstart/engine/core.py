@@ -72,18 +72,31 @@ class EngineCore:
         max_len = max_model_len_for(cfg, model_cfg)
         files = [p for p in cfg.weight_files] or [str(p) for p in weight_files(cfg.model_path)]
         tp = f", rank {group.rank} of {group.world_size}" if group is not None else ""
-        phase("engine config", t, f"{model_cfg.architecture} on {placement.device} {str(placement.dtype)[6:]}{tp}")
+        phase(
+            "engine config",
+            t,
+            f"{model_cfg.architecture} on {placement.device} {str(placement.dtype)[6:]}{tp}",
+        )
 
         t = time.time()
-        model = load_model(model_cfg, files, placement.device, placement.dtype, max_len, on_progress=on_progress,
-                           tp=group.tp if group is not None else None)
+        model = load_model(
+            model_cfg,
+            files,
+            placement.device,
+            placement.dtype,
+            max_len,
+            on_progress=on_progress,
+            tp=group.tp if group is not None else None,
+        )
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
         phase("weights loaded", t, f"{nbytes / 1e6:.0f} MB in {len(files)} file(s){tp}")
 
         t = time.time()
         per_token = kv_bytes_per_token(model, placement.dtype)
         zero_copy = placement.device.type == "cpu" and str(placement.dtype)[6:] == model_cfg.torch_dtype
-        num_blocks, kv_why = kv_cache_blocks(cfg, per_token, max_len, placement.device, nbytes if zero_copy else 0)
+        num_blocks, kv_why = kv_cache_blocks(
+            cfg, per_token, max_len, placement.device, nbytes if zero_copy else 0
+        )
         if group is not None:
             num_blocks = group.min_over_ranks(num_blocks)  # every rank holds its heads of the same blocks
         runner = ModelRunner(model, num_blocks, cfg.block_size, placement.device, placement.dtype)
@@ -102,10 +115,13 @@ class EngineCore:
         if n_prompt == 0:
             return "the prompt is empty"
         if total > self.max_model_len:
-            return (f"this model's maximum context length is {self.max_model_len} tokens; the request asks for "
-                    f"{total} ({n_prompt} in the prompt + {p.max_tokens} to generate)")
+            return (
+                f"this model's maximum context length is {self.max_model_len} tokens; the request asks for "
+                f"{total} ({n_prompt} in the prompt + {p.max_tokens} to generate)"
+            )
         if blocks_for(total, self.blocks.block_size) > self.blocks.num_blocks:
-            return f"the request needs {total} tokens of KV cache, the engine holds {self.blocks.num_blocks * self.blocks.block_size}"
+            held = self.blocks.num_blocks * self.blocks.block_size
+            return f"the request needs {total} tokens of KV cache, the engine holds {held}"
         if any(t < 0 or t >= vocab for t in req.prompt_token_ids):
             return f"prompt token ids must be in [0, {vocab})"
         if not 1 <= p.n <= self.cfg.max_num_seqs:
@@ -185,7 +201,9 @@ class EngineCore:
                         self._drop(seq)
                     continue
                 self._drop(seq)
-                out.append(TokenOutput(rid, seq.token_ids[seq.prompt_len + seq.num_sent:], "abort", index=seq.index))
+                out.append(
+                    TokenOutput(rid, seq.token_ids[seq.prompt_len + seq.num_sent :], "abort", index=seq.index)
+                )
         return out
 
     def has_work(self) -> bool:

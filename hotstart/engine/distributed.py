@@ -43,7 +43,8 @@ LINGER_S = 0.5  # a rank following another out waits this long first: the dead r
 
 
 def rendezvous_file(addresses: EngineAddresses) -> str:
-    """The group's FileStore: beside the generation's zmq sockets (a private folder), unique per generation."""
+    """The group's FileStore: beside the generation's zmq sockets (a private folder), unique per
+    generation."""
     path = addresses.requests.removeprefix("ipc://")
     return os.path.join(os.path.dirname(path), f"tp-{os.path.basename(path)}")
 
@@ -62,8 +63,15 @@ def topology_error(world_size: int, model_cfg: ModelConfig, device: torch.device
 def encode_step(s: StepInputs) -> tuple[list[int], list[int]]:
     """(header, payload) of a step: ids, starts, lens, table lengths, tables, want [, all]."""
     flat = [b for t in s.tables for b in t]
-    payload = (s.token_ids + s.starts + s.lens + [len(t) for t in s.tables] + flat
-               + [int(w) for w in s.want_logits] + ([int(a) for a in s.all_logits] if s.all_logits is not None else []))
+    payload = (
+        s.token_ids
+        + s.starts
+        + s.lens
+        + [len(t) for t in s.tables]
+        + flat
+        + [int(w) for w in s.want_logits]
+        + ([int(a) for a in s.all_logits] if s.all_logits is not None else [])
+    )
     return [OP_STEP, len(payload), len(s.lens), len(s.token_ids), int(s.all_logits is not None)], payload
 
 
@@ -75,7 +83,9 @@ def decode_step(header: list[int], v: list[int]) -> StepInputs:
         tables.append(v[i:i + n])
         i += n
     want = [bool(x) for x in v[i:i + b]]
-    return StepInputs(ids, starts, lens, tables, want, [bool(x) for x in v[i + b:i + 2 * b]] if has_all else None)
+    return StepInputs(
+        ids, starts, lens, tables, want, [bool(x) for x in v[i + b : i + 2 * b]] if has_all else None
+    )
 
 
 class Group:
@@ -111,7 +121,9 @@ class Group:
 
     # ---- rank 0 -------------------------------------------------------------------------------
     def _send(self, header: list[int], payload: list[int] = ()) -> None:
-        dist.broadcast(torch.tensor(header + [0] * (HEADER - len(header)), dtype=torch.long), 0, group=self.control)
+        dist.broadcast(
+            torch.tensor(header + [0] * (HEADER - len(header)), dtype=torch.long), 0, group=self.control
+        )
         if payload:
             dist.broadcast(torch.tensor(payload, dtype=torch.long), 0, group=self.control)
         self._last_send = time.monotonic()
@@ -226,7 +238,8 @@ def follow(runner: ModelRunner, group: Group) -> None:
 
 
 def pack_layer(model, layer: int) -> None:
-    """This rank's oneDNN-packed copies of LAYER's linear weights (-1: the LM head's), as rank 0's fast path."""
+    """This rank's oneDNN-packed copies of LAYER's linear weights (-1: the LM head's), as rank 0's
+    fast path."""
     if layer < 0:
         model.lm_head_packed = packed.pack(model.output_weight())
         return

@@ -71,7 +71,9 @@ class FastPath:
         self.linears = [m for m in self.model.modules() if isinstance(m, Linear)]
         self._todo = list(range(len(self.model.model.layers))) if self._pack_plan() else []
         self.compile = self._compile_plan(packing=bool(self._todo))
-        self.buckets = {b: BucketState(b, "compiling") for b in sorted(set(buckets))} if not self.compile else {}
+        self.buckets = (
+            {b: BucketState(b, "compiling") for b in sorted(set(buckets))} if not self.compile else {}
+        )
         self.proc: subprocess.Popen | None = None
         self._out = b""
         self._pack_t0 = time.time()
@@ -90,7 +92,9 @@ class FastPath:
             self.packing = f"off: no oneDNN packing for {p.device.type} {str(p.dtype)[6:]}"
         else:
             need = sum(m.weight.nbytes for m in self.linears) + self.model.output_weight().nbytes
-            need *= self.runner.peers.world_size if self.runner.peers is not None else 1  # ranks share the RAM
+            need *= (
+                self.runner.peers.world_size if self.runner.peers is not None else 1
+            )  # ranks share the RAM
             avail = mem_available()
             if avail is not None and need > PACK_RAM_FRACTION * avail:
                 self.packing = (f"off: packed weights ({need / 1e9:.1f} GB) would take over "
@@ -137,7 +141,11 @@ class FastPath:
         except Exception as e:  # noqa: BLE001 - the fast path is optional; serving goes on
             self._todo = []
             self.compile = f"failed: {type(e).__name__}: {e}"
-            print(f"hotstart: engine: fast path stopped ({self.compile}); serving eagerly", file=sys.stderr, flush=True)
+            print(
+                f"hotstart: engine: fast path stopped ({self.compile}); serving eagerly",
+                file=sys.stderr,
+                flush=True,
+            )
             self._dirty = True
         self._report()
 
@@ -210,8 +218,15 @@ class FastPath:
                   "that bucket stays eager", file=sys.stderr, flush=True)
         else:
             self.buckets[tokens].state = "ready"
-            self.send(Span(f"compiled graph ready ({tokens} tokens)", start, time.time(),
-                           "compiler" if how == "compiled" else "engine", f"{how}, loaded in {time.time() - t:.3f} s"))
+            self.send(
+                Span(
+                    f"compiled graph ready ({tokens} tokens)",
+                    start,
+                    time.time(),
+                    "compiler" if how == "compiled" else "engine",
+                    f"{how}, loaded in {time.time() - t:.3f} s",
+                )
+            )
         self._dirty = True
 
     def _poll_compiler(self) -> None:
@@ -247,7 +262,9 @@ class FastPath:
     def status(self) -> FastPathStatus:
         steps = getattr(self.runner.compiled, "steps", {}) if self.runner.compiled is not None else {}
         buckets = [BucketState(b, s.state, steps.get(b, 0)) for b, s in self.buckets.items()]
-        return FastPathStatus(self.mode, self.packing, self.compile or "pending", buckets, self.runner.eager_steps)
+        return FastPathStatus(
+            self.mode, self.packing, self.compile or "pending", buckets, self.runner.eager_steps
+        )
 
     def _report(self) -> None:
         now = time.time()

@@ -125,7 +125,9 @@ class Grammars:
         up to WAIT seconds for the first result if none is there."""
         while True:
             try:
-                grammar, matcher, error = self._results.get(timeout=wait) if wait else self._results.get_nowait()
+                grammar, matcher, error = (
+                    self._results.get(timeout=wait) if wait else self._results.get_nowait()
+                )
             except queue.Empty:
                 break
             wait = 0.0

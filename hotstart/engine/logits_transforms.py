@@ -164,11 +164,17 @@ class Penalties:
         sub = logits[r, c]  # [N]
         counts = self.counts.counts[torch.repeat_interleave(_rows(logits, slots), lens), c]  # [N]
         if any(p.repetition_penalty != 1 for p in params):  # every listed column is prompt or generated
-            rep = torch.repeat_interleave(torch.tensor([p.repetition_penalty for p in params], device=dev), lens)
+            rep = torch.repeat_interleave(
+                torch.tensor([p.repetition_penalty for p in params], device=dev), lens
+            )
             sub = torch.where(sub > 0, sub / rep, sub * rep)
         if any(p.frequency_penalty != 0 or p.presence_penalty != 0 for p in params):
-            freq = torch.repeat_interleave(torch.tensor([p.frequency_penalty for p in params], device=dev), lens)
-            pres = torch.repeat_interleave(torch.tensor([p.presence_penalty for p in params], device=dev), lens)
+            freq = torch.repeat_interleave(
+                torch.tensor([p.frequency_penalty for p in params], device=dev), lens
+            )
+            pres = torch.repeat_interleave(
+                torch.tensor([p.presence_penalty for p in params], device=dev), lens
+            )
             sub = sub - freq * counts - pres * (counts > 0).to(sub.dtype)
         logits[r, c] = sub
         return logits

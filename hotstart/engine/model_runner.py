@@ -42,7 +42,9 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self, model: CausalLM, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype
+    ):
         cfg = model.cfg
         self.model, self.device, self.block_size = model, device, block_size
         # [layers, 2 (k/v), KVH, slots, D]: head-major, so one index_select over whole blocks gathers a
@@ -59,7 +61,9 @@ class ModelRunner:
         self._zeroed = 1  # blocks below this are zeroed (or hold K/V written since)
         self.compiled = None  # engine/compiled.py CompiledForward, installed between steps by the fast path
         self.eager_steps = 0
-        self.peers = None  # tensor parallel rank 0: the engine/distributed.py Group each step is sent to first
+        self.peers = (
+            None  # tensor parallel rank 0: the engine/distributed.py Group each step is sent to first
+        )
         for i, layer in enumerate(model.model.layers):
             layer.self_attn.k_cache = self.kv_cache[i, 0]
             layer.self_attn.v_cache = self.kv_cache[i, 1]
@@ -98,7 +102,9 @@ class ModelRunner:
         nb = -(-max(context) // self.block_size)
         return self._tensor([table[:nb] + [0] * (nb - min(nb, len(table))) for table in tables])
 
-    def _decode_group(self, s: StepInputs, entries: list[int], last: list[int], everything: bool) -> DecodeGroup:
+    def _decode_group(
+        self, s: StepInputs, entries: list[int], last: list[int], everything: bool
+    ) -> DecodeGroup:
         context = [s.starts[i] + 1 for i in entries]
         tables = self._tables([s.tables[i] for i in entries], context)
         keys = torch.arange(tables.shape[1] * self.block_size)
@@ -107,7 +113,9 @@ class ModelRunner:
         tokens = None if everything else self._tensor([last[i] for i in entries])
         return DecodeGroup(tokens, tables, bias[:, None, None, :].to(self.device))
 
-    def _prefill_group(self, s: StepInputs, entries: list[int], offsets: list[int], everything: bool) -> PrefillGroup:
+    def _prefill_group(
+        self, s: StepInputs, entries: list[int], offsets: list[int], everything: bool
+    ) -> PrefillGroup:
         lens = [s.lens[i] for i in entries]
         starts = [s.starts[i] for i in entries]
         context = [st + n for st, n in zip(starts, lens)]

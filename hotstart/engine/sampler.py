@@ -62,7 +62,9 @@ def _top(logprobs: torch.Tensor, chosen: list[int], ks: list[int]) -> list[Token
         return [TokenLogprobs(v) for v in values]
     top = torch.topk(logprobs, k, dim=-1)
     top_values, top_ids = top.values.tolist(), top.indices.tolist()
-    return [TokenLogprobs(v, i[:kr], t[:kr]) for v, i, t, kr in zip(values, top_ids, top_values, ks, strict=True)]
+    return [
+        TokenLogprobs(v, i[:kr], t[:kr]) for v, i, t, kr in zip(values, top_ids, top_values, ks, strict=True)
+    ]
 
 
 def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:
@@ -97,7 +99,9 @@ class Sampler:
                 [*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)]))
             row = -1
             if penalized(seq):
-                row = self.counts.acquire(seq.token_ids[:seq.prompt_len] if p.repetition_penalty != 1 else None)
+                row = self.counts.acquire(
+                    seq.token_ids[: seq.prompt_len] if p.repetition_penalty != 1 else None
+                )
             seq.sampling = SeqSampling(stops, list(p.logit_bias), list(p.logit_bias.values()), row)
         self.num_active += 1
 
@@ -126,7 +130,9 @@ class Sampler:
         lp_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         raw = None
         if lp_rows:
-            picked = logits if len(lp_rows) == len(seqs) else logits[torch.tensor(lp_rows, device=logits.device)]
+            picked = (
+                logits if len(lp_rows) == len(seqs) else logits[torch.tensor(lp_rows, device=logits.device)]
+            )
             raw = torch.log_softmax(picked, dim=-1)  # a new tensor: the transforms below do not touch it
         for transform in self.transforms:
             logits = transform(logits, seqs)

@@ -140,7 +140,13 @@ def run_engine(cfg: EngineConfig, addresses: EngineAddresses, rank: int = 0, wor
     poller.register(pull, zmq.POLLIN)
     running = True
     while running:
-        timeout = 0 if core.has_work() or fast.packing_left() else FAST_PATH_POLL_MS if fast.busy() else IDLE_POLL_MS
+        timeout = (
+            0
+            if core.has_work() or fast.packing_left()
+            else FAST_PATH_POLL_MS
+            if fast.busy()
+            else IDLE_POLL_MS
+        )
         if poller.poll(timeout):
             while True:
                 try:

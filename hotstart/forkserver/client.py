@@ -138,8 +138,16 @@ class EngineLauncher:
             start = time.time()
             ranks = [str(rank), str(world_size)] if world_size > 1 else []
             proc = subprocess.Popen(
-                [sys.executable, "-m", "hotstart.engine.worker", payload, addresses.requests, addresses.outputs,
-                 *ranks], stdin=subprocess.DEVNULL,
+                [
+                    sys.executable,
+                    "-m",
+                    "hotstart.engine.worker",
+                    payload,
+                    addresses.requests,
+                    addresses.outputs,
+                    *ranks,
+                ],
+                stdin=subprocess.DEVNULL,
             )
             self.direct[rank] = proc
             self.engine_pids[rank] = proc.pid
@@ -177,7 +185,9 @@ class EngineLauncher:
                 try:
                     events += self._reader.feed(chunk) if chunk else []
                 except FrameError as e:
-                    print(f"hotstart: forkserver sent a bad frame ({e}); treating it as dead", file=sys.stderr)
+                    print(
+                        f"hotstart: forkserver sent a bad frame ({e}); treating it as dead", file=sys.stderr
+                    )
                     chunk = b""
                 refused = [ev for ev in events if isinstance(ev, SpawnRefused)]
                 if refused:  # a zygote that refuses our config is of no use: go local

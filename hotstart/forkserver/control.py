@@ -259,7 +259,11 @@ def bench_zygote(targets):
             proc = spawn(p, [], detach=False, env={**os.environ, "HOTSTART_RUNTIME_DIR": zdir})
             info = wait_ready(p, proc)
             labels = ", ".join(t.label for t in wants)
-            print(f"hotstart bench startup: zygote pid {info.pid} started for {labels}", file=sys.stderr, flush=True)
+            print(
+                f"hotstart bench startup: zygote pid {info.pid} started for {labels}",
+                file=sys.stderr,
+                flush=True,
+            )
         yield
     finally:
         if proc is not None:

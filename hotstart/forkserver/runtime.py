@@ -142,7 +142,12 @@ class Identity:
 
     def __init__(self, uid: int, hotstart_version: str, hotstart_path: str, python: str, torch_path: str,
                  torch_version: str, import_env: dict[str, str]):
-        self.uid, self.hotstart_version, self.hotstart_path, self.python = uid, hotstart_version, hotstart_path, python
+        self.uid, self.hotstart_version, self.hotstart_path, self.python = (
+            uid,
+            hotstart_version,
+            hotstart_path,
+            python,
+        )
         self.torch_path, self.torch_version, self.import_env = torch_path, torch_version, import_env
 
     @classmethod
@@ -258,7 +263,9 @@ def probe(timeout: float | None = None) -> Probe:
             sock.close()
             sock, info, note = None, None, why
         else:
-            note = f"pid {info.pid}, up {time.time() - info.started:.0f} s, answered in {answered * 1000:.1f} ms"
+            note = (
+                f"pid {info.pid}, up {time.time() - info.started:.0f} s, answered in {answered * 1000:.1f} ms"
+            )
     return Probe(start, time.time(), note, sock, info)
 
 

@@ -135,7 +135,9 @@ class ForkServer:
         if isinstance(msg, SpawnEngine):
             self._spawn(conn, msg)
         elif isinstance(msg, StopEngine):
-            self._terminate([p for p, c in self.children.items() if c.conn is conn and c.generation == msg.generation])
+            self._terminate(
+                [p for p, c in self.children.items() if c.conn is conn and c.generation == msg.generation]
+            )
         elif isinstance(msg, StopServer):
             self.stopping = True
 
@@ -194,7 +196,10 @@ class ForkServer:
                     try:
                         msgs = self.readers[conn].feed(chunk)
                     except FrameError as e:
-                        print(f"hotstart: forkserver: dropping a client that sent a bad frame: {e}", file=sys.stderr)
+                        print(
+                            f"hotstart: forkserver: dropping a client that sent a bad frame: {e}",
+                            file=sys.stderr,
+                        )
                         self._drop(conn)
                         continue
                     for msg in msgs:
@@ -210,7 +215,9 @@ def main() -> None:
     conn = socket.socket(fileno=int(sys.argv[1]))
     from hotstart.engine import worker  # noqa: PLC0415 - the preload: torch and the whole engine
 
-    server = ForkServer(Span("forkserver up (torch + engine imported)", T_START, time.time(), "forkserver"), worker)
+    server = ForkServer(
+        Span("forkserver up (torch + engine imported)", T_START, time.time(), "forkserver"), worker
+    )
     if os.environ.get("HOTSTART_IMPORT_PREFETCH", "1") != "0":
         from hotstart.boot.manifest import folder  # noqa: PLC0415 - stdlib only
         from hotstart.system import hotstart_home  # noqa: PLC0415

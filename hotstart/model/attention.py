@@ -5,7 +5,8 @@ token (a decode, or a one-token prompt) takes the decode path: its keys are gath
 from the head-major cache ([KVH, slots, D]: one index_select gives [KVH, B, L, D], the layout the
 batched matmuls want, with no further copy) and attended with two batched matmuls. Measured at B=16,
 one thread, per layer: context 192, 0.18 ms against 0.68 ms with a slot-major cache; context 512,
-0.39 ms against 2.1 ms; SDPA's CPU flash kernel with a mask took 1.3 ms at context 128 before gathers. Sequences with
+0.39 ms against 2.1 ms; SDPA's CPU flash kernel with a mask took 1.3 ms at context 128 before gathers.
+Sequences with
 several new tokens (prefill chunks) take SDPA with a causal mask over their padded queries.
 Metadata is built once per step (engine/model_runner.py) and shared by every layer.
 """

@@ -133,11 +133,15 @@ class MidGraph(nn.Module):
 def example_inputs(spec: LayerSpec, tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """Inputs of MidGraph for TOKENS tokens, random."""
     g = torch.Generator().manual_seed(0)
-    shapes = {"o_proj": (spec.hidden, spec.heads * spec.head_dim),
-              "gate_proj": (spec.intermediate, spec.hidden), "up_proj": (spec.intermediate, spec.hidden),
-              "down_proj": (spec.hidden, spec.intermediate), "q_proj": (spec.heads * spec.head_dim, spec.hidden),
-              "k_proj": (spec.kv_heads * spec.head_dim, spec.hidden),
-              "v_proj": (spec.kv_heads * spec.head_dim, spec.hidden)}
+    shapes = {
+        "o_proj": (spec.hidden, spec.heads * spec.head_dim),
+        "gate_proj": (spec.intermediate, spec.hidden),
+        "up_proj": (spec.intermediate, spec.hidden),
+        "down_proj": (spec.hidden, spec.intermediate),
+        "q_proj": (spec.heads * spec.head_dim, spec.hidden),
+        "k_proj": (spec.kv_heads * spec.head_dim, spec.hidden),
+        "v_proj": (spec.kv_heads * spec.head_dim, spec.hidden),
+    }
     ws = []
     for name in spec.post_names() + spec.pre_names():
         module, leaf = name.split(".")[-2], name.split(".")[-1]
@@ -147,6 +151,10 @@ def example_inputs(spec: LayerSpec, tokens: int, dtype: torch.dtype) -> tuple[to
             shape = (spec.head_dim,) if module in ("q_norm", "k_norm") else (spec.hidden,)
         ws.append(torch.randn(*shape, generator=g).to(dtype) * 0.02)
     d = spec.head_dim
-    act = (torch.randn(tokens, spec.heads * d, generator=g).to(dtype), torch.randn(tokens, spec.hidden, generator=g).to(dtype),
-           torch.randn(tokens, 1, d, generator=g).to(dtype), torch.randn(tokens, 1, d, generator=g).to(dtype))
+    act = (
+        torch.randn(tokens, spec.heads * d, generator=g).to(dtype),
+        torch.randn(tokens, spec.hidden, generator=g).to(dtype),
+        torch.randn(tokens, 1, d, generator=g).to(dtype),
+        torch.randn(tokens, 1, d, generator=g).to(dtype),
+    )
     return (*act, *ws)

@@ -4,7 +4,8 @@
 `_linear_pointwise` then multiplies with it. Measured here (AVX512-BF16 EPYC, one thread): 1.4x
 faster than F.linear at 16 rows and 1.8x at one row in bf16. float32 results equal F.linear's up to
 accumulation order; bf16 results may round differently (oneDNN picks its kernels by host), within bf16's
-own error of the float32 model (tests/test_fastpath.py). A packed weight is a copy (anonymous memory the size of the weight), so the
+own error of the float32 model (tests/test_fastpath.py). A packed weight is a copy (anonymous memory the
+size of the weight), so the
 engine packs only where memory allows, after READY (engine/fastpath.py).
 """
 
@@ -15,8 +16,12 @@ import torch
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether packing works here: a CPU build with oneDNN, and a dtype it packs."""
-    return (device.type == "cpu" and torch.backends.mkldnn.is_available()
-            and dtype in (torch.bfloat16, torch.float32) and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    return (
+        device.type == "cpu"
+        and torch.backends.mkldnn.is_available()
+        and dtype in (torch.bfloat16, torch.float32)
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
 
 
 def pack(weight: torch.Tensor, rows_hint: int = 16) -> torch.Tensor:

@@ -63,7 +63,10 @@ class SafetensorsFile:
             raise WeightsError(f"{self.path}: truncated safetensors file ({self.size} bytes)")
         (n,) = struct.unpack("<Q", head)
         if n > MAX_HEADER_BYTES or 8 + n > self.size:
-            raise WeightsError(f"{self.path}: invalid or truncated safetensors header (header length {n}, file {self.size} bytes)")
+            raise WeightsError(
+                f"{self.path}: invalid or truncated safetensors header (header length {n}, file "
+                f"{self.size} bytes)"
+            )
         try:
             raw = json.loads(os.pread(self._fd, n, 8))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -86,10 +89,13 @@ class SafetensorsFile:
                 numel *= d
             itemsize = DTYPES[dtype].itemsize
             if end - begin != numel * itemsize or begin < 0:
-                raise WeightsError(f"{self.path}: tensor '{name}' byte range does not match shape {list(shape)} {dtype}")
+                raise WeightsError(
+                    f"{self.path}: tensor '{name}' byte range does not match shape {list(shape)} {dtype}"
+                )
             if base + end > self.size:
                 raise WeightsError(
-                    f"{self.path}: truncated: tensor '{name}' ends at byte {base + end}, file has {self.size} bytes"
+                    f"{self.path}: truncated: tensor '{name}' ends at byte {base + end}, file has "
+                    f"{self.size} bytes"
                 )
             out[name] = TensorInfo(name, dtype, shape, base + begin, base + end)
         return out
@@ -102,7 +108,9 @@ class SafetensorsFile:
         dtype = DTYPES[info.dtype]
         if info.end == info.start:
             return torch.empty(info.shape, dtype=dtype)
-        flat = torch.frombuffer(self._mm, dtype=dtype, count=(info.end - info.start) // dtype.itemsize, offset=info.start)
+        flat = torch.frombuffer(
+            self._mm, dtype=dtype, count=(info.end - info.start) // dtype.itemsize, offset=info.start
+        )
         return flat.view(info.shape)
 
     def populate(self, info: TensorInfo) -> None:

@@ -160,8 +160,9 @@ class OpenAIServing:
             raise ApiError(400, str(e), param="messages", code="chat_template_error") from None
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.sampling(req, req.max_completion_tokens or req.max_tokens, max_param, len(ids), "messages",
-                               logprobs)
+        params = self.sampling(
+            req, req.max_completion_tokens or req.max_tokens, max_param, len(ids), "messages", logprobs
+        )
         return model, ids, msgspec.structs.replace(params, grammar=grammar) if grammar else params
 
     def prepare_completion(self, req: CompletionRequest) -> tuple[str, list[int], SamplingParams, str]:
@@ -179,7 +180,9 @@ class OpenAIServing:
         if not ids:
             raise bad_param("prompt", "the prompt encodes to no tokens")
         prompt_logprobs = req.logprobs if req.echo else None
-        params = self.sampling(req, req.max_tokens, "max_tokens", len(ids), "prompt", req.logprobs, prompt_logprobs)
+        params = self.sampling(
+            req, req.max_tokens, "max_tokens", len(ids), "prompt", req.logprobs, prompt_logprobs
+        )
         echo = "" if not req.echo else prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
         return model, ids, msgspec.structs.replace(params, grammar=grammar) if grammar else params, echo
 
@@ -196,7 +199,9 @@ class OpenAIServing:
             head["system_fingerprint"] = None
         fmt = LogprobsFormat(self.tokenizer, params.n) if params.logprobs is not None else None
         forced = chat and req.tool_choice not in (None, "auto", "none")
-        parse = chat and req.tools and (forced or (req.tool_choice != "none" and self.settings.auto_tool_choice))
+        parse = (
+            chat and req.tools and (forced or (req.tool_choice != "none" and self.settings.auto_tool_choice))
+        )
         parser = self.tool_parser if parse else None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -214,7 +219,9 @@ class OpenAIServing:
             if chat:
                 lps = fmt.chat(c.logprobs) if fmt is not None else None
                 message, reason = chat_message(parser, c.text, c.finish_reason)
-                choices.append({"index": c.index, "message": message, "logprobs": lps, "finish_reason": reason})
+                choices.append(
+                    {"index": c.index, "message": message, "logprobs": lps, "finish_reason": reason}
+                )
             else:
                 prompt = (ids, gen.prompt_logprobs or []) if params.prompt_logprobs is not None else None
                 lps = fmt.completion(c.index, c.logprobs, prompt) if fmt is not None else None

@@ -173,7 +173,9 @@ class EngineClient:
         if not (self.auto_restart and (was_ready or self._died_at is not None)):
             return self._fail(what)  # died during startup: a replacement would only die the same way
         if len(self._deaths) > MAX_RESTARTS_IN_WINDOW:
-            return self._fail(f"{what}; {len(self._deaths)} engine deaths within {RESTART_WINDOW_S:.0f} s, giving up")
+            return self._fail(
+                f"{what}; {len(self._deaths)} engine deaths within {RESTART_WINDOW_S:.0f} s, giving up"
+            )
         self._died_at = self._died_at or now
         self.restarts += 1
         self.status = "restarting"

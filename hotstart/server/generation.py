@@ -170,12 +170,19 @@ class Generation:
                         self.metrics.ttft.observe(time.perf_counter() - self.t_arrival)
                     self.metrics.generation_tokens.inc(len(out.new_token_ids))
                 # an engine abort (it is shutting down) ends every choice
-                targets = ([c for c in self.choices if c.finish_reason is None] if out.finish_reason == "abort"
-                           else [self.choices[out.index]] if 0 <= out.index < len(self.choices) else [])
+                targets = (
+                    [c for c in self.choices if c.finish_reason is None]
+                    if out.finish_reason == "abort"
+                    else [self.choices[out.index]]
+                    if 0 <= out.index < len(self.choices)
+                    else []
+                )
                 for choice in targets:
                     if choice.finish_reason is not None:
                         continue  # already ended by a stop string: the engine's late tokens are dropped
-                    delta = choice.feed(out if choice.index == out.index else TokenOutput(out.request_id, [], "abort"))
+                    delta = choice.feed(
+                        out if choice.index == out.index else TokenOutput(out.request_id, [], "abort")
+                    )
                     if delta.text or delta.logprobs or delta.finish_reason:
                         yield delta
                     if delta.finish_reason is not None:

@@ -45,7 +45,9 @@ def _bind(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         if e.errno == errno.EADDRINUSE:
-            raise HotstartError(f"port {port} on {host} is already in use (pick another with --port, or 0 for a free one)") from None
+            raise HotstartError(
+                f"port {port} on {host} is already in use (pick another with --port, or 0 for a free one)"
+            ) from None
         raise HotstartError(f"cannot bind {host}:{port}: {e.strerror}") from None
     sock.listen(2048)
     sock.set_inheritable(True)
@@ -89,7 +91,9 @@ def run_serve(args: argparse.Namespace, cfg: ServeConfig, t0: float, launcher: E
               imports=None) -> int:
     """ARGS: the parsed command line (model, --revision, engine flags); CFG: the serve flags; IMPORTS:
     the import prefetch started at t=0 (boot/iosched.py ImportPrefetch), or None."""
-    logging.basicConfig(level=getattr(logging, cfg.log_level.upper()), format="%(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=getattr(logging, cfg.log_level.upper()), format="%(message)s", stream=sys.stderr
+    )
     timeline = Timeline(t0)
     timeline.on_event = lambda span: log.info(timeline.log_line(span))  # one log line per phase
     for name, start, end, detail in launcher.spans:  # the zygote: used, or why not
@@ -114,8 +118,13 @@ def run_serve(args: argparse.Namespace, cfg: ServeConfig, t0: float, launcher: E
             from hotstart.model.cursor import LoadCursor  # noqa: PLC0415
 
             cursor = LoadCursor.create(ranks=getattr(args, "tensor_parallel_size", 1))  # a slot per rank
-        engine_cfg = EngineConfig.from_args(args, model_path=str(model.path), weight_files=tuple(map(str, files)),
-                                            cursor_path=cursor.path if cursor is not None else None, t0=t0)
+        engine_cfg = EngineConfig.from_args(
+            args,
+            model_path=str(model.path),
+            weight_files=tuple(map(str, files)),
+            cursor_path=cursor.path if cursor is not None else None,
+            t0=t0,
+        )
         if launcher.use_forkserver:
             with timeline.phase("engine config sent"):
                 launcher.spawn(engine_cfg)  # the forkserver forks the engine once its preload is done
@@ -133,11 +142,14 @@ def run_serve(args: argparse.Namespace, cfg: ServeConfig, t0: float, launcher: E
             tokenizer = Tokenizer.from_dir(model.path)
         api_imported.set()
         names = list(cfg.served_model_name or [model.name])
-        settings = ApiSettings(served_model_names=names, api_key=cfg.api_key,
-                               max_request_bytes=cfg.max_request_bytes,
-                               sampling_defaults=sampling_defaults(model.path, cfg.generation_config),
-                               tool_call_parser=None if cfg.tool_call_parser == "auto" else cfg.tool_call_parser,
-                               auto_tool_choice=cfg.enable_auto_tool_choice)
+        settings = ApiSettings(
+            served_model_names=names,
+            api_key=cfg.api_key,
+            max_request_bytes=cfg.max_request_bytes,
+            sampling_defaults=sampling_defaults(model.path, cfg.generation_config),
+            tool_call_parser=None if cfg.tool_call_parser == "auto" else cfg.tool_call_parser,
+            auto_tool_choice=cfg.enable_auto_tool_choice,
+        )
         app = build_app(client, tokenizer, settings)
         if prefetcher is not None:
             app.state.prefetch_stats = prefetcher.stats
@@ -148,7 +160,11 @@ def run_serve(args: argparse.Namespace, cfg: ServeConfig, t0: float, launcher: E
         host, port = sock.getsockname()[:2]
         if cfg.host in ("0.0.0.0", "::") and not cfg.api_key:
             log.warning("hotstart: WARNING: listening on all interfaces without --api-key")
-        print(f"hotstart: serving {names[0]} on http://{host}:{port} (health: /health)", file=sys.stderr, flush=True)
+        print(
+            f"hotstart: serving {names[0]} on http://{host}:{port} (health: /health)",
+            file=sys.stderr,
+            flush=True,
+        )
         if not launcher.use_forkserver:
             client.spawn()  # the serial way: a fresh interpreter, once the API is otherwise ready
         import asyncio  # noqa: PLC0415

@@ -34,13 +34,16 @@ class LogprobsFormat:
         content = []
         for token_id, lp in items:
             entry = self._entry(token_id, lp.logprob)
-            entry["top_logprobs"] = [self._entry(i, v) for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)]
+            entry["top_logprobs"] = [
+                self._entry(i, v) for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)
+            ]
             content.append(entry)
         return {"content": content}
 
     def completion(self, index: int, items: Items, prompt: tuple[list[int], list[TokenLogprobs]] | None = None
                    ) -> dict[str, Any]:
-        """Choice INDEX's tokens ITEMS; PROMPT = (prompt ids, logprobs of ids[1:]) puts the echoed prompt first."""
+        """Choice INDEX's tokens ITEMS; PROMPT = (prompt ids, logprobs of ids[1:]) puts the echoed
+        prompt first."""
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         rows: list[tuple[int, TokenLogprobs | None]] = []
         if prompt is not None:

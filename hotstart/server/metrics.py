@@ -57,8 +57,12 @@ class Metrics:
         self.ready = Gauge("hotstart_engine_ready", "1 once the engine serves requests", registry=r)
         self.bucket_state = Gauge("hotstart_compiled_bucket_state", "1 for the state of each compiled bucket",
                                   ["bucket", "state"], registry=r)
-        self.bucket_steps = Gauge("hotstart_compiled_bucket_steps", "Engine steps run on each compiled bucket",
-                                  ["bucket"], registry=r)
+        self.bucket_steps = Gauge(
+            "hotstart_compiled_bucket_steps",
+            "Engine steps run on each compiled bucket",
+            ["bucket"],
+            registry=r,
+        )
         self.eager_steps = Gauge("hotstart_eager_steps", "Engine steps run on the eager forward", registry=r)
         self.startup = Gauge("hotstart_startup_duration_seconds",
                              "From `hotstart serve` to the engine being ready (set by the serve command)",

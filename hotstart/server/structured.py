@@ -127,8 +127,10 @@ def _response_format(rf: dict[str, Any]) -> tuple[str, Any, str, bool] | None:
         if not isinstance(js, dict):
             raise bad_param("response_format.json_schema", "`response_format.json_schema` must be an object")
         if not isinstance(js.get("name"), str) or not js["name"]:  # required by OpenAI too
-            raise bad_param("response_format.json_schema.name", "`response_format.json_schema.name` must be a "
-                                                                "non-empty string")
+            raise bad_param(
+                "response_format.json_schema.name",
+                "`response_format.json_schema.name` must be a non-empty string",
+            )
         strict = js.get("strict")
         if strict is not None and not isinstance(strict, bool):
             raise bad_param("response_format.json_schema.strict", "`strict` must be a boolean")
@@ -163,7 +165,9 @@ def constraint(req: Any) -> tuple[str, Any, str, bool] | None:
     if so.get("json_object"):
         found.append(("json", {"type": "object"}, "structured_outputs.json_object", True))
     if len(found) > 1:
-        raise bad_param(found[1][2], f"only one constraint per request: `{found[0][2]}` and `{found[1][2]}` are set")
+        raise bad_param(
+            found[1][2], f"only one constraint per request: `{found[0][2]}` and `{found[1][2]}` are set"
+        )
     return found[0] if found else None
 
 

@@ -201,7 +201,10 @@ def tool_grammar(tools: list[dict[str, Any]], names: list[str], parser: str, par
     JSON schema), that JSON answer is allowed instead of calls (tool_choice auto + response_format)."""
     key = "arguments" if parser == HERMES else "parameters"
     fns = [t["function"] for t in tools if t["function"]["name"] in names]
-    rules = [f"fn{i}: %json {json.dumps(_function_schema(fn, key), ensure_ascii=False)}" for i, fn in enumerate(fns)]
+    rules = [
+        f"fn{i}: %json {json.dumps(_function_schema(fn, key), ensure_ascii=False)}"
+        for i, fn in enumerate(fns)
+    ]
     alts = " | ".join(f"fn{i}" for i in range(len(fns)))
     call = f'"{OPEN}\\n" ({alts}) "\\n{CLOSE}"' if parser == HERMES else f"({alts})"
     sep = '"\\n"' if parser == HERMES else '"; "'
@@ -244,7 +247,9 @@ def chat_grammar(req: Any, parser: str) -> str | None:
         if found is not None:
             raise bad_param(found[2], f"`{found[2]}` cannot be combined with tool_choice {req.tool_choice!r}")
         parallel = req.parallel_tool_calls is not False and not isinstance(req.tool_choice, dict)
-        return compile_grammar("lark", tool_grammar(req.tools, names, parser, parallel), "tools", lenient=True)
+        return compile_grammar(
+            "lark", tool_grammar(req.tools, names, parser, parallel), "tools", lenient=True
+        )
     if found is None:
         return None
     kind, spec, param, lenient = found
@@ -264,4 +269,8 @@ def chat_message(parser: str | None, text: str, reason: str | None) -> tuple[dic
     content, calls = parse(parser, text)
     if not calls:
         return {"role": "assistant", "content": text}, reason
-    return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls" if reason == "stop" else reason
+    return {
+        "role": "assistant",
+        "content": content,
+        "tool_calls": calls,
+    }, "tool_calls" if reason == "stop" else reason

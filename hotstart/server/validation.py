@@ -48,7 +48,14 @@ def check_common(req: _Common, max_n: int = MAX_N) -> None:
     """Range checks and unsupported features shared by both endpoints; raises ApiError 400."""
     if req.n is not None and not 1 <= req.n <= max_n:
         raise bad_param("n", f"`n` must be in [1, {max_n}], got {req.n}")
-    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+    for name in (
+        "temperature",
+        "top_p",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    ):
         value = getattr(req, name)
         if value is not None and not math.isfinite(value):
             raise bad_param(name, f"`{name}` must be a finite number, got {value}")
@@ -75,7 +82,9 @@ def check_common(req: _Common, max_n: int = MAX_N) -> None:
                         f"`repetition_penalty` must be > 0, got {req.repetition_penalty}")
     for key, value in (req.logit_bias or {}).items():
         if not math.isfinite(value) or not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE:
-            raise bad_param("logit_bias", f"`logit_bias` values must be in [-100, 100], got {value} for {key!r}")
+            raise bad_param(
+                "logit_bias", f"`logit_bias` values must be in [-100, 100], got {value} for {key!r}"
+            )
     if req.stream_options is not None and not req.stream:
         raise bad_param("stream_options", "`stream_options` is only allowed when `stream` is true")
     for i, s in enumerate(stop_strings(req)):
@@ -94,7 +103,9 @@ def check_chat(req: ChatCompletionRequest, max_n: int = MAX_N) -> None:
                         f"`max_completion_tokens` must be at least 1, got {req.max_completion_tokens}")
     if req.top_logprobs is not None:
         if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise bad_param("top_logprobs", f"`top_logprobs` must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
+            raise bad_param(
+                "top_logprobs", f"`top_logprobs` must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}"
+            )
         if not req.logprobs:
             raise bad_param("top_logprobs", "`top_logprobs` needs `logprobs` set to true")
     for name in ("tools", "tool_choice", "chat_template_kwargs"):
@@ -147,7 +158,9 @@ def _check_function_name(fn: dict[str, Any], param: str) -> None:
 def check_completion(req: CompletionRequest, max_n: int = MAX_N) -> None:
     check_common(req, max_n)
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
-        raise bad_param("logprobs", f"`logprobs` must be in [0, {MAX_COMPLETION_LOGPROBS}], got {req.logprobs}")
+        raise bad_param(
+            "logprobs", f"`logprobs` must be in [0, {MAX_COMPLETION_LOGPROBS}], got {req.logprobs}"
+        )
     if req.best_of not in (None, 1):
         raise unsupported("best_of", "`best_of` > 1")
     if req.suffix:
@@ -233,7 +246,9 @@ def logit_bias(req: _Common, vocab_size: int | None) -> dict[int, float]:
             raise bad_param("logit_bias", f"`logit_bias` keys must be token ids, got {key!r}")
         token = int(text)
         if vocab_size is not None and token >= vocab_size:
-            raise bad_param("logit_bias", f"`logit_bias` token id {token} is out of range (must be < {vocab_size})")
+            raise bad_param(
+                "logit_bias", f"`logit_bias` token id {token} is out of range (must be < {vocab_size})"
+            )
         out[token] = float(value)
     return out
 
@@ -260,7 +275,9 @@ def sampling_params(req: _Common, max_tokens: int | None, max_param: str, prompt
     if max_tokens is None:
         raise bad_param(max_param, f"`{max_param}` is required until the engine reports its context length")
     if req.min_tokens is not None and req.min_tokens > max_tokens:
-        raise bad_param("min_tokens", f"`min_tokens` ({req.min_tokens}) must not exceed `{max_param}` ({max_tokens})")
+        raise bad_param(
+            "min_tokens", f"`min_tokens` ({req.min_tokens}) must not exceed `{max_param}` ({max_tokens})"
+        )
     check_token_ids(req.stop_token_ids or [], vocab_size, "stop_token_ids")
 
     def pick(name: str, fallback: float) -> float:
@@ -306,6 +323,8 @@ def sampling_defaults(model_dir: str | Path, mode: str = "auto") -> dict[str, fl
     defaults = read_generation_config(model_dir)
     if defaults:
         shown = ", ".join(f"{k}={v}" for k, v in defaults.items())
-        log.info("hotstart: sampling defaults from generation_config.json: %s (--generation-config none: off)",
-                 shown)
+        log.info(
+            "hotstart: sampling defaults from generation_config.json: %s (--generation-config none: off)",
+            shown,
+        )
     return defaults

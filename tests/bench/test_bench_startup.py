@@ -97,8 +97,26 @@ def test_failing_peers_are_reported_not_hung(tmp_path):
 
 def test_interrupt_stops_the_server_and_keeps_results(tmp_path):
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "hotstart", "bench", "startup", "--peer", "sleep 600 {port}", "--cold", "none",
-           "--runs", "3", "--warmup", "0", "--timeout", "1", "--no-floor", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hotstart",
+        "bench",
+        "startup",
+        "--peer",
+        "sleep 600 {port}",
+        "--cold",
+        "none",
+        "--runs",
+        "3",
+        "--warmup",
+        "0",
+        "--timeout",
+        "1",
+        "--no-floor",
+        "--out",
+        str(out),
+    ]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
@@ -172,7 +190,9 @@ ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
 """
 
 
-def fake_peer(tmp_path: Path, answer: str, health: str = "health", model: str = "{model}", env: str = "") -> str:
+def fake_peer(
+    tmp_path: Path, answer: str, health: str = "health", model: str = "{model}", env: str = ""
+) -> str:
     script = tmp_path / "fake_peer.py"
     script.write_text(FAKE_PEER)
     return f"{env} {sys.executable} {script} {{port}} {shlex.quote(answer)} {health} {model}".strip()
@@ -186,17 +206,45 @@ def test_named_peers_from_commands_env(tmp_path):
     lib = tmp_path / "libfake.so"
     lib.write_bytes(b"\0" * 4096)
     vcache = tmp_path / "vllm-cache"
-    vllm = fake_peer(tmp_path, "Lyon cache=@cache", env=f"LD_PRELOAD={lib} VLLM_CACHE_ROOT={vcache} FAKE_COMPILE=1")
+    vllm = fake_peer(
+        tmp_path, "Lyon cache=@cache", env=f"LD_PRELOAD={lib} VLLM_CACHE_ROOT={vcache} FAKE_COMPILE=1"
+    )
     llama = fake_peer(tmp_path, "Nice @model", health="no-health", model="{gguf}")
     (peers_dir / "commands.env").write_text(
         f"# written by a test\nVLLM_PEER={shlex.quote(vllm)}\nLLAMACPP_PEER={shlex.quote(llama)}\n")
     gguf = tmp_path / "other.gguf"
     gguf.write_bytes(b"GGUF" + b"\0" * 8188)
     out = tmp_path / "out"
-    res = bench(["--peers", "vllm,llamacpp", "--peer", fake_peer(tmp_path, "Marseille @model"), "--peer-name",
-                 "My peer", "--peer-model", f"My peer={gguf}", "--vllm-first-start", "--expect", "Paris",
-                 "--cold", "weights", "--runs", "1", "--warmup", "0", "--no-floor", "--timeout", "30",
-                 "--timeout", "vllm=40", "--out", str(out)], timeout=90, env={"HOTSTART_PEERS": str(peers_dir)})
+    res = bench(
+        [
+            "--peers",
+            "vllm,llamacpp",
+            "--peer",
+            fake_peer(tmp_path, "Marseille @model"),
+            "--peer-name",
+            "My peer",
+            "--peer-model",
+            f"My peer={gguf}",
+            "--vllm-first-start",
+            "--expect",
+            "Paris",
+            "--cold",
+            "weights",
+            "--runs",
+            "1",
+            "--warmup",
+            "0",
+            "--no-floor",
+            "--timeout",
+            "30",
+            "--timeout",
+            "vllm=40",
+            "--out",
+            str(out),
+        ],
+        timeout=90,
+        env={"HOTSTART_PEERS": str(peers_dir)},
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     data = json.loads((out / "results.json").read_text())
     runs = {r["config"]: r for r in data["runs"]}
@@ -208,7 +256,10 @@ def test_named_peers_from_commands_env(tmp_path):
     assert runs["llama.cpp"]["health_path"] == "/v1/models"  # its /health is 404
     assert runs["My peer"]["answer"] == f"Marseille {gguf}"  # --peer-model
     first = runs["vLLM (first start)"]
-    assert first["answer"] == f"Lyon cache={first['vllm_cache_root']}" and "first-start" in first["vllm_cache_root"]
+    assert (
+        first["answer"] == f"Lyon cache={first['vllm_cache_root']}"
+        and "first-start" in first["vllm_cache_root"]
+    )
     assert not Path(first["vllm_cache_root"]).exists()  # removed after the run
     assert runs["vLLM"]["answer"] != first["answer"]
     configs = {c["label"]: c for c in data["meta"]["configs"]}
@@ -245,8 +296,10 @@ def test_commands_env_reader_and_not_set_up(tmp_path, monkeypatch):
 
     f = tmp_path / "commands.env"
     llama = "python -m llama_cpp.server --model '/a b/m.gguf' --port {port}"
-    f.write_text(f"# comment\n\nVLLM_PEER='LD_PRELOAD=/x/lib.so vllm-nowhere serve {{model}} --port {{port}}'\n"
-                 f"LLAMACPP_PEER={shlex.quote(llama)}\nnot a line\n")
+    f.write_text(
+        f"# comment\n\nVLLM_PEER='LD_PRELOAD=/x/lib.so vllm-nowhere serve {{model}} --port {{port}}'\n"
+        f"LLAMACPP_PEER={shlex.quote(llama)}\nnot a line\n"
+    )
     cmds = peers.read_commands_env(f)
     assert cmds["VLLM_PEER"] == "LD_PRELOAD=/x/lib.so vllm-nowhere serve {model} --port {port}"
     assert peers.split_command(cmds["LLAMACPP_PEER"], "x")[1][4] == "/a b/m.gguf"
@@ -283,7 +336,9 @@ def test_cold_sets_per_peer_environment(tmp_path):
     assert files == [str(lib), os.path.realpath(sys.executable)]
     cold = ev.build_cold_sets([], {"peer": (ev.python_of(words[0]), [str(src)], files)}, keep=[str(kept)])
     assert os.path.realpath(lib) in cold.env.paths and os.path.realpath(src / "a.py") in cold.env.paths
-    assert os.path.realpath(kept / "graph.bin") not in cold.env.paths and cold.kept == [os.path.realpath(kept)]
+    assert os.path.realpath(kept / "graph.bin") not in cold.env.paths and cold.kept == [
+        os.path.realpath(kept)
+    ]
     dirs = cold.per_config["peer"]["dirs"]
     assert os.path.realpath(src) in dirs and any(d.endswith("site-packages") for d in dirs)
     assert peers.is_vllm(["/p/bin/vllm", "serve"]) and peers.is_vllm(["python", "-m", "vllm.entrypoints.cli"])
@@ -296,8 +351,17 @@ def test_report_start_cost_and_ratios():
     from hotstart.bench import report
 
     def run(cfg, rnd, first, repeat):
-        return {"config": cfg, "mode": "all", "round": rnd, "warmup": False, "ok": True, "t_health": first - 0.5,
-                "t_first": first, "t_repeat": repeat, "answer": "Paris" if cfg == "hotstart" else "Lyon"}
+        return {
+            "config": cfg,
+            "mode": "all",
+            "round": rnd,
+            "warmup": False,
+            "ok": True,
+            "t_health": first - 0.5,
+            "t_first": first,
+            "t_repeat": repeat,
+            "answer": "Paris" if cfg == "hotstart" else "Lyon",
+        }
 
     floors = [{"what": w, "mode": "all", "round": r, "warmup": False, "ok": True, "seconds": s}
               for r, (imp, read) in enumerate([(2.0, 0.5), (2.2, 0.4), (1.8, 0.3)])
@@ -314,7 +378,9 @@ def test_report_start_cost_and_ratios():
     hot = rows["hotstart"]
     assert hot["start_cost"]["median"] == pytest.approx(2.2)  # 2.2, 2.5, 2.0
     assert hot["cost_x_floor"] == pytest.approx(2.0 / 1.8)  # per round: 2.2/2.0, 2.5/2.2, 2.0/1.8
-    assert hot["x_peers"]["vLLM"] == pytest.approx(2.6 / 61.0) and hot["x_peers"]["llama.cpp"] == pytest.approx(0.65)
+    assert hot["x_peers"]["vLLM"] == pytest.approx(2.6 / 61.0) and hot["x_peers"][
+        "llama.cpp"
+    ] == pytest.approx(0.65)
     assert rows["vLLM"]["x_first_config"] == pytest.approx(61.0 / 2.6)
     text = report.format_table(report.summarize(data), data)
     assert "vLLM compile cache warm: yes (53 files" in text

@@ -16,13 +16,19 @@ import psutil
 import pytest
 from util import Server, tagged
 
-QUESTION = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "What is the capital of France?"}],
-            "temperature": 0, "max_tokens": 16}
+QUESTION = {
+    "model": "SmolLM2-135M-Instruct",
+    "messages": [{"role": "user", "content": "What is the capital of France?"}],
+    "temperature": 0,
+    "max_tokens": 16,
+}
 
 
 def _timed(*args: str) -> tuple[float, subprocess.CompletedProcess]:
     t = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "hotstart", *args], capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [sys.executable, "-m", "hotstart", *args], capture_output=True, text=True, timeout=30
+    )
     return time.perf_counter() - t, out
 
 
@@ -69,9 +75,18 @@ def test_startup_timeline_trace_and_png(default_model_dir, tmp_path):
     startup = httpx.get(s.url + "/startup").json()
     s.stop()
     phases = {p["name"]: p for p in startup["phases"]}
-    order = ["forkserver launched", "model resolved", "engine config sent", "forkserver up (torch + engine imported)",
-             "engine forked", "engine config", "weights loaded", "KV cache allocated", "engine ready",
-             "first request served"]
+    order = [
+        "forkserver launched",
+        "model resolved",
+        "engine config sent",
+        "forkserver up (torch + engine imported)",
+        "engine forked",
+        "engine config",
+        "weights loaded",
+        "KV cache allocated",
+        "engine ready",
+        "first request served",
+    ]
     for name in order + ["prefetch started", "web stack imported", "tokenizer loaded", "socket bound"]:
         assert name in phases, (name, list(phases))
     ends = [phases[n]["end_s"] for n in order]  # starts overlap by design (processes run in parallel)
@@ -93,8 +108,12 @@ def test_startup_timeline_trace_and_png(default_model_dir, tmp_path):
 
 @pytest.mark.parametrize("delay", [0.05, 0.3, 0.8, 1.5, 2.5])
 def test_sigterm_in_every_startup_phase_leaves_nothing(default_model_dir, delay):
-    proc = subprocess.Popen([sys.executable, "-m", "hotstart", "serve", "--port", "0", "--max-model-len", "512"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hotstart", "serve", "--port", "0", "--max-model-len", "512"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     time.sleep(delay)
     family = [proc.pid]
     try:
@@ -119,7 +138,9 @@ def test_sigterm_in_every_startup_phase_leaves_nothing(default_model_dir, delay)
 def test_killed_engine_fails_streams_and_is_replaced(default_model_dir):
     s = Server("--max-model-len", "512")
     try:
-        forkserver = [p for p in psutil.Process(s.proc.pid).children() if "forkserver" in " ".join(p.cmdline())][0]
+        forkserver = [
+            p for p in psutil.Process(s.proc.pid).children() if "forkserver" in " ".join(p.cmdline())
+        ][0]
         recoveries = []
         for round_ in range(3):  # each replacement is itself replaceable
             engine = forkserver.children()[0]
@@ -152,7 +173,9 @@ def test_killed_engine_fails_streams_and_is_replaced(default_model_dir):
         s.stop()
 
 
-@pytest.mark.parametrize("args,env", [(["--no-prespawn", "--no-prefetch"], {}), ([], {"HOTSTART_SERIAL": "1"})])
+@pytest.mark.parametrize(
+    "args,env", [(["--no-prespawn", "--no-prefetch"], {}), ([], {"HOTSTART_SERIAL": "1"})]
+)
 def test_ablations_still_serve(default_model_dir, args, env):
     """The switches that turn fast start off (for measuring it) leave a working server."""
     s = Server("--max-model-len", "512", *args, env=env)
@@ -188,7 +211,9 @@ def _kill_tree(forkserver: psutil.Process) -> None:
 def test_killed_process_tree_fails_streams_and_is_replaced(default_model_dir):
     s = Server("--max-model-len", "512")
     try:
-        forkserver = [p for p in psutil.Process(s.proc.pid).children() if "forkserver" in " ".join(p.cmdline())][0]
+        forkserver = [
+            p for p in psutil.Process(s.proc.pid).children() if "forkserver" in " ".join(p.cmdline())
+        ][0]
         rest, took = _stream_then(s, lambda: _kill_tree(forkserver))
         assert took < 2.0, took
         assert any('"engine_dead"' in line for line in rest), rest[-3:]
@@ -214,7 +239,9 @@ def test_killed_process_tree_fails_streams_and_is_replaced(default_model_dir):
 
 def test_killed_process_tree_without_restart_exits_with_one_error_line(default_model_dir):
     s = Server("--max-model-len", "512", "--no-restart")
-    forkserver = [p for p in psutil.Process(s.proc.pid).children() if "forkserver" in " ".join(p.cmdline())][0]
+    forkserver = [p for p in psutil.Process(s.proc.pid).children() if "forkserver" in " ".join(p.cmdline())][
+        0
+    ]
     rest, took = _stream_then(s, lambda: _kill_tree(forkserver))
     assert took < 2.0 and any('"engine_dead"' in line for line in rest), (took, rest[-3:])
     t = time.monotonic()

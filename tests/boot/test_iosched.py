@@ -157,7 +157,9 @@ def test_a_start_records_both_manifests_and_the_next_start_reads_them_first(tmp_
         deadline = time.monotonic() + 10  # the forkserver records while idle, after its first fork
         while not (io / "forkserver.json").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        entries = {role: json.loads((io / f"{role}.json").read_text())["entries"] for role in ("api", "forkserver")}
+        entries = {
+            role: json.loads((io / f"{role}.json").read_text())["entries"] for role in ("api", "forkserver")
+        }
         assert any("torch" in e[0] and e[0].endswith(".so") and e[3] for e in entries["forkserver"])
         assert any("fastapi" in e[0] for e in entries["api"])
         assert not any("/torch/" in e[0] for e in entries["api"])  # the API process never imports torch

@@ -211,7 +211,9 @@ def test_cursor_across_processes():
     cur = LoadCursor.create()
     assert cur.position() == -1 and os.path.getsize(cur.path) == 64
     assert (os.stat(os.path.dirname(cur.path)).st_mode & 0o777) == 0o700
-    code = f"from hotstart.model.cursor import LoadCursor; c = LoadCursor.open({cur.path!r}); c.advance(12345)"
+    code = (
+        f"from hotstart.model.cursor import LoadCursor; c = LoadCursor.open({cur.path!r}); c.advance(12345)"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
     assert cur.position() == 12345
     cur.advance(100)  # monotonic: going back is ignored
@@ -348,8 +350,12 @@ def test_no_imports_from_prefetch_threads(big, disk_dir, method):
     sys.meta_path.insert(0, rec)
     try:
         with LoadCursor.create() as cur:  # exercise claim, wait, jump, read and error paths
-            pf = Prefetcher([disk_dir / "missing-after-plan", big, disk_dir], _plan(block_mib=2, method=method),
-                            cursor=cur, window_bytes=16 * MiB).start()
+            pf = Prefetcher(
+                [disk_dir / "missing-after-plan", big, disk_dir],
+                _plan(block_mib=2, method=method),
+                cursor=cur,
+                window_bytes=16 * MiB,
+            ).start()
             time.sleep(0.05)
             for pos in range(0, SIZE + 1, 4 * MiB):
                 cur.advance(pos)

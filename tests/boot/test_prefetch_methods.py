@@ -89,7 +89,9 @@ def test_ahead_bound_without_cursor_stops_there(cold_file):
     s = pf.stats()
     assert s["state"] == "stopped" and s["frontier"] == 16 * MiB and s["ahead_bytes"] == 16 * MiB
     vec = resident_map(cold_file)
-    assert sum(vec[16 * MiB // PAGE_SIZE + 3 * MiB // PAGE_SIZE:]) * PAGE_SIZE <= SLACK + 8 * MiB  # kernel readahead
+    assert (
+        sum(vec[16 * MiB // PAGE_SIZE + 3 * MiB // PAGE_SIZE :]) * PAGE_SIZE <= SLACK + 8 * MiB
+    )  # kernel readahead
 
 
 def test_ahead_bound_follows_the_loader(cold_file):
@@ -115,7 +117,9 @@ def test_unknown_method_fails_in_the_caller(cold_file):
     with pytest.raises(ValueError, match="prefetch method"):
         Prefetcher([cold_file], _plan("mmap-copy"))
     with pytest.raises(ValueError, match="prefetch method"):
-        storage.plan(StorageInfo("local", "ext4", "vda"), 10**9, 16 * 10**9, PrefetchOverrides(method="bogus"))
+        storage.plan(
+            StorageInfo("local", "ext4", "vda"), 10**9, 16 * 10**9, PrefetchOverrides(method="bogus")
+        )
 
 
 def test_auto_policy_and_chunk():
@@ -123,13 +127,17 @@ def test_auto_policy_and_chunk():
     local = StorageInfo("local", "ext4", "vda", ra_bytes=8 * MiB)
     assert storage.choose_method("auto", local) == storage.AUTO_METHOD
     assert storage.AUTO_METHOD in METHODS and storage.AUTO_METHOD != "preadv"  # the default copies nothing
-    assert storage.choose_method("auto", StorageInfo("network", "nfs4", "srv:/x")) == storage.AUTO_NETWORK_METHOD
+    assert (
+        storage.choose_method("auto", StorageInfo("network", "nfs4", "srv:/x")) == storage.AUTO_NETWORK_METHOD
+    )
     assert storage.choose_method("auto", StorageInfo("unknown", "", "")) == storage.AUTO_METHOD
     for m in METHODS:
         assert storage.choose_method(m, local) == m
     p = storage.plan(local, gb, 16 * gb)
     assert (p.method, p.chunk_bytes) == (storage.AUTO_METHOD, 8 * MiB) and storage.AUTO_METHOD in p.reason
-    assert storage.plan(StorageInfo("local", "ext4", "vda"), gb, 16 * gb).chunk_bytes == storage.FALLBACK_CHUNK
+    assert (
+        storage.plan(StorageInfo("local", "ext4", "vda"), gb, 16 * gb).chunk_bytes == storage.FALLBACK_CHUNK
+    )
     p = storage.plan(local, gb, 16 * gb, PrefetchOverrides(method="preadv", block_mib=4))
     assert (p.method, p.chunk_bytes) == ("preadv", 4 * MiB)  # a chunk never exceeds a block
 

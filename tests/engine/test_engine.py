@@ -11,8 +11,16 @@ from hotstart.messages import EngineRequest, SamplingParams
 
 @pytest.fixture(scope="module")
 def core(default_model_dir) -> EngineCore:
-    return EngineCore.build(EngineConfig(model_path=str(default_model_dir), device="cpu", dtype="float32", max_model_len=512,
-                                         kv_cache_memory=256 << 20, max_num_seqs=16))
+    return EngineCore.build(
+        EngineConfig(
+            model_path=str(default_model_dir),
+            device="cpu",
+            dtype="float32",
+            max_model_len=512,
+            kv_cache_memory=256 << 20,
+            max_num_seqs=16,
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +30,9 @@ def tok(default_model_dir):
     return Tokenizer.from_dir(default_model_dir)
 
 
-def run(core: EngineCore, reqs: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, tuple[list[int], str]]:
+def run(
+    core: EngineCore, reqs: dict[str, tuple[list[int], SamplingParams]]
+) -> dict[str, tuple[list[int], str]]:
     for rid, (ids, params) in reqs.items():
         assert core.add_request(EngineRequest(rid, ids, params)) is None
     out: dict[str, list[int]] = {rid: [] for rid in reqs}
@@ -60,9 +70,13 @@ def test_finish_reasons_and_stop_token_ids(core, tok):
     short, reason = run(core, {"b": (ids, greedy(3))})["b"]
     assert reason == "length" and short == tokens[:3]
     stop_at = tokens[2]
-    cut, reason = run(core, {"c": (ids, SamplingParams(max_tokens=64, temperature=0, stop_token_ids=[stop_at]))})["c"]
+    cut, reason = run(
+        core, {"c": (ids, SamplingParams(max_tokens=64, temperature=0, stop_token_ids=[stop_at]))}
+    )["c"]
     assert reason == "stop" and cut == tokens[:3]
-    more, reason = run(core, {"d": (ids, SamplingParams(max_tokens=len(tokens) + 5, temperature=0, ignore_eos=True))})["d"]
+    more, reason = run(
+        core, {"d": (ids, SamplingParams(max_tokens=len(tokens) + 5, temperature=0, ignore_eos=True))}
+    )["d"]
     assert reason == "length" and len(more) == len(tokens) + 5
 
 
@@ -71,7 +85,9 @@ def test_seeded_sampling_is_reproducible(core, tok):
     p = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=1234)
     a = run(core, {"a": (ids, p)})["a"][0]
     b = run(core, {"b": (ids, p), "other": (tok.encode("Hello"), greedy(8))})["b"][0]
-    c = run(core, {"c": (ids, SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=99))})["c"][0]
+    c = run(core, {"c": (ids, SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=99))})[
+        "c"
+    ][0]
     assert a == b
     assert a != c
 

@@ -52,7 +52,11 @@ def _greedy(core: EngineCore, logits: list | None = None) -> dict[str, list[int]
     """Four greedy requests of different lengths, batched: prefill steps run eager, decodes of <= 8."""
     tag = time.monotonic_ns()
     for i in range(4):
-        core.add_request(EngineRequest(f"{i}-{tag}", list(range(3, 11 + 3 * i)), SamplingParams(max_tokens=24, temperature=0)))
+        core.add_request(
+            EngineRequest(
+                f"{i}-{tag}", list(range(3, 11 + 3 * i)), SamplingParams(max_tokens=24, temperature=0)
+            )
+        )
     out: dict[str, list[int]] = {}
     runner_forward = core.runner.forward
 
@@ -113,7 +117,8 @@ def _all_logits(core: EngineCore, ids: list[int]) -> torch.Tensor:
 def test_packed_weights_equal_plain_in_float32_and_add_no_error_in_bfloat16(default_model_dir):
     """oneDNN picks its bf16 kernels by host (AMX, AVX512-BF16, ...): their accumulation order, and so
     bf16 results, may differ from F.linear's. The claim that holds on every host: in float32 packed ==
-    plain (greedy tokens identical, logits within 2e-4 of their scale: 30 layers of accumulation order); in bf16 packing adds no error beyond bf16's own
+    plain (greedy tokens identical, logits within 2e-4 of their scale: 30 layers of accumulation
+    order); in bf16 packing adds no error beyond bf16's own
     (measured against the float32 model: mean |error| within 1.25x of the plain bf16 path's, top-1
     agreement within 5 points)."""
     ids = [(i * 7919) % 49000 + 3 for i in range(96)]
@@ -145,7 +150,10 @@ def test_auto_packs_where_it_fits_and_compiles_where_it_does_not(tiny_checkpoint
     assert fast.packing == "packing" and fast.compile.startswith("off: the packed weights")
     monkeypatch.setattr(fastpath, "mem_available", lambda: 1000)  # the packed copy cannot fit
     fast = FastPath(core, "auto", (8,), lambda m: None)
-    assert fast.packing.startswith("off: packed weights") and fast.compile in ("", "off: no C++ compiler (g++) found")
+    assert fast.packing.startswith("off: packed weights") and fast.compile in (
+        "",
+        "off: no C++ compiler (g++) found",
+    )
 
 
 def test_off_builds_nothing(tiny_checkpoint):
@@ -238,7 +246,11 @@ def test_bucket_swaps_in_under_load_then_the_cache_is_reused(served, tmp_path):
                 break
             time.sleep(0.1)
         assert buckets[0][1] == "ready" and time.monotonic() - t < 15, (buckets, time.monotonic() - t)
-        ready = [p for p in httpx.get(s.url + "/startup").json()["phases"] if p["name"].startswith("compiled graph")]
+        ready = [
+            p
+            for p in httpx.get(s.url + "/startup").json()["phases"]
+            if p["name"].startswith("compiled graph")
+        ]
         assert "from the compile cache" in ready[0]["detail"]
         assert _wave(s.url) == reference
     finally:

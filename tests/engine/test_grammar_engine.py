@@ -38,8 +38,9 @@ def model_dir(tmp_path_factory, default_model_dir):
 def build(model_dir, **kw) -> EngineCore:
     cfg = dict(device="cpu", dtype="float32", kv_cache_memory=64 << 20, max_model_len=1024, max_num_seqs=16)
     cfg.update(kw)
-    return EngineCore.build(EngineConfig(model_path=str(model_dir), weight_files=tuple(map(str, weight_files(model_dir))),
-                                         **cfg))
+    return EngineCore.build(
+        EngineConfig(model_path=str(model_dir), weight_files=tuple(map(str, weight_files(model_dir))), **cfg)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +75,13 @@ def test_json_schema_answers_validate_greedy_sampled_and_n(core, tok):
     jsonschema = pytest.importorskip("jsonschema")
     grammar = compile_grammar("json", PET, "response_format")
     prompt = tok.encode("Describe a pet as JSON:")
-    reqs = {f"s{i}": (prompt, SamplingParams(max_tokens=400, temperature=1.0 if i else 0.0, seed=i, grammar=grammar))
-            for i in range(8)}
+    reqs = {
+        f"s{i}": (
+            prompt,
+            SamplingParams(max_tokens=400, temperature=1.0 if i else 0.0, seed=i, grammar=grammar),
+        )
+        for i in range(8)
+    }
     reqs["n"] = (prompt, SamplingParams(max_tokens=400, temperature=1.2, seed=99, n=3, grammar=grammar))
     reqs["plain"] = (prompt, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
     out = run(core, reqs)
@@ -93,18 +99,32 @@ def test_json_schema_answers_validate_greedy_sampled_and_n(core, tok):
 
 def test_max_tokens_cuts_with_length(core, tok):
     grammar = compile_grammar("json", {"type": "object"}, "response_format")
-    out = run(core, {"r": (tok.encode("hi"), SamplingParams(max_tokens=5, temperature=1.0, seed=3, grammar=grammar))})
+    out = run(
+        core,
+        {"r": (tok.encode("hi"), SamplingParams(max_tokens=5, temperature=1.0, seed=3, grammar=grammar))},
+    )
     (d,) = out.values()
     assert d["reason"] == "length" and len(d["ids"]) == 5 and tok.decode(d["ids"]).startswith("{")
 
 
 def test_regex_and_choice(core, tok):
     date = compile_grammar("regex", r"[0-9]{4}-[0-9]{2}-[0-9]{2}", "guided_regex")
-    pick = compile_grammar("regex", choice_regex(["yes", "no", "c++ (maybe)"], "guided_choice"), "guided_choice")
-    reqs = {f"d{i}": (tok.encode("Date:"), SamplingParams(max_tokens=50, temperature=1.5, seed=i, grammar=date))
-            for i in range(4)}
-    reqs.update({f"c{i}": (tok.encode("Pick:"), SamplingParams(max_tokens=50, temperature=1.5, seed=i, grammar=pick))
-                 for i in range(6)})
+    pick = compile_grammar(
+        "regex", choice_regex(["yes", "no", "c++ (maybe)"], "guided_choice"), "guided_choice"
+    )
+    reqs = {
+        f"d{i}": (tok.encode("Date:"), SamplingParams(max_tokens=50, temperature=1.5, seed=i, grammar=date))
+        for i in range(4)
+    }
+    reqs.update(
+        {
+            f"c{i}": (
+                tok.encode("Pick:"),
+                SamplingParams(max_tokens=50, temperature=1.5, seed=i, grammar=pick),
+            )
+            for i in range(6)
+        }
+    )
     for (rid, _), d in run(core, reqs).items():
         text = tok.decode(d["ids"])
         assert d["reason"] == "stop"
@@ -115,12 +135,30 @@ def test_regex_and_choice(core, tok):
 
 
 def test_forced_tool_call_parses(core, tok):
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["celsius", "fahrenheit"]}},
-        "required": ["city", "unit"]}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        "city": {"type": "string", "maxLength": 10},
+                        "unit": {"enum": ["celsius", "fahrenheit"]},
+                    },
+                    "required": ["city", "unit"],
+                },
+            },
+        }
+    ]
     grammar = compile_grammar("lark", tool_grammar(tools, ["get_weather"], HERMES, False), "tools")
-    reqs = {f"t{i}": (tok.encode("Weather?"), SamplingParams(max_tokens=200, temperature=1.0, seed=i, grammar=grammar))
-            for i in range(4)}
+    reqs = {
+        f"t{i}": (
+            tok.encode("Weather?"),
+            SamplingParams(max_tokens=200, temperature=1.0, seed=i, grammar=grammar),
+        )
+        for i in range(4)
+    }
     for d in run(core, reqs).values():
         assert d["reason"] == "stop"
         content, calls = parse(HERMES, tok.decode(d["ids"]))
@@ -132,10 +170,29 @@ def test_forced_tool_call_parses(core, tok):
 def test_eos_only_where_the_grammar_accepts(core, tok):
     # logit_bias pushes eos far up: it may still only come where the grammar accepts
     eos = core.model_cfg.eos_token_ids[0]
-    grammar = compile_grammar("json", {"type": "array", "items": {"type": "integer", "maximum": 10**6}, "minItems": 3,
-                                       "maxItems": 6, "x-guidance": {"whitespace_flexible": False}}, "guided_json")
-    out = run(core, {f"e{i}": (tok.encode("Numbers:"), SamplingParams(
-        max_tokens=300, temperature=1.0, seed=i, logit_bias={eos: 100.0}, grammar=grammar)) for i in range(4)})
+    grammar = compile_grammar(
+        "json",
+        {
+            "type": "array",
+            "items": {"type": "integer", "maximum": 10**6},
+            "minItems": 3,
+            "maxItems": 6,
+            "x-guidance": {"whitespace_flexible": False},
+        },
+        "guided_json",
+    )
+    out = run(
+        core,
+        {
+            f"e{i}": (
+                tok.encode("Numbers:"),
+                SamplingParams(
+                    max_tokens=300, temperature=1.0, seed=i, logit_bias={eos: 100.0}, grammar=grammar
+                ),
+            )
+            for i in range(4)
+        },
+    )
     for d in out.values():
         assert d["reason"] == "stop"
         value = json.loads(tok.decode(d["ids"]))
@@ -143,15 +200,25 @@ def test_eos_only_where_the_grammar_accepts(core, tok):
 
 
 def test_bad_grammar_is_an_error_and_others_run(core, tok):
-    out = run(core, {"bad": (tok.encode("x"), SamplingParams(max_tokens=10, grammar='{"grammars": [{"nope": 1}]}')),
-                     "ok": (tok.encode("x"), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))})
+    out = run(
+        core,
+        {
+            "bad": (tok.encode("x"), SamplingParams(max_tokens=10, grammar='{"grammars": [{"nope": 1}]}')),
+            "ok": (tok.encode("x"), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)),
+        },
+    )
     assert out[("bad", 0)]["reason"] == "error" and "grammar" in out[("bad", 0)]["error"]
     assert out[("ok", 0)]["reason"] == "length"
 
 
 def test_abort_while_compiling(core, tok):
-    grammar = compile_grammar("json", {"type": "object", "properties": {"q": {"type": "string"}}}, "guided_json")
-    assert core.add_request(EngineRequest("a", tok.encode("x"), SamplingParams(max_tokens=10, grammar=grammar))) is None
+    grammar = compile_grammar(
+        "json", {"type": "object", "properties": {"q": {"type": "string"}}}, "guided_json"
+    )
+    assert (
+        core.add_request(EngineRequest("a", tok.encode("x"), SamplingParams(max_tokens=10, grammar=grammar)))
+        is None
+    )
     outs = core.abort(["a"])
     assert [o.finish_reason for o in outs] == ["abort"]
     for _ in range(50):
@@ -169,7 +236,8 @@ from hotstart.engine.core import EngineCore
 from hotstart.messages import EngineRequest, SamplingParams
 from hotstart.model.files import weight_files
 d = {str(model_dir)!r}
-core = EngineCore.build(EngineConfig(model_path=d, weight_files=tuple(map(str, weight_files(d))), device="cpu",
+files = tuple(map(str, weight_files(d)))
+core = EngineCore.build(EngineConfig(model_path=d, weight_files=files, device="cpu",
                                      kv_cache_memory=16 << 20, max_model_len=256))
 core.add_request(EngineRequest("r", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0, logprobs=2)))
 while core.has_work():
@@ -187,14 +255,19 @@ def test_compiling_imports_only_on_the_main_thread(model_dir):
     code = f"""
 import sys, threading
 off = []
-sys.addaudithook(lambda e, a: off.append(a[0]) if e == "import" and threading.current_thread() is not threading.main_thread() else None)
+main = threading.main_thread()
+def hook(e, a):
+    if e == "import" and threading.current_thread() is not main:
+        off.append(a[0])
+sys.addaudithook(hook)
 from hotstart.config import EngineConfig
 from hotstart.engine.core import EngineCore
 from hotstart.messages import EngineRequest, SamplingParams
 from hotstart.model.files import weight_files
 from hotstart.server.structured import compile_grammar
 d = {str(model_dir)!r}
-core = EngineCore.build(EngineConfig(model_path=d, weight_files=tuple(map(str, weight_files(d))), device="cpu",
+files = tuple(map(str, weight_files(d)))
+core = EngineCore.build(EngineConfig(model_path=d, weight_files=files, device="cpu",
                                      kv_cache_memory=16 << 20, max_model_len=256))
 core.add_request(EngineRequest("u", [1, 2, 3], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)))
 core.step()

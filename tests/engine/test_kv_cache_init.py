@@ -16,9 +16,14 @@ def _run(model_dir, poison: bool) -> dict[tuple[str, int], list[int]]:
     if poison:  # what uninitialised memory may hold, in every block but the null block
         core.runner.kv_cache[:, :, core.runner.block_size:] = float("nan")
     prompt = list(range(3, 24))  # 21 tokens: the last block is partly filled
-    core.add_request(EngineRequest("one", prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)))
-    core.add_request(EngineRequest("two", prompt[:19], SamplingParams(max_tokens=12, n=2, temperature=0.8, seed=3,
-                                                                      ignore_eos=True)))  # copy-on-write
+    core.add_request(
+        EngineRequest("one", prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    )
+    core.add_request(
+        EngineRequest(
+            "two", prompt[:19], SamplingParams(max_tokens=12, n=2, temperature=0.8, seed=3, ignore_eos=True)
+        )
+    )  # copy-on-write
     out: dict[tuple[str, int], list[int]] = {}
     while core.has_work():
         for o in core.step():

@@ -53,7 +53,9 @@ def test_kv_cache_blocks_from_memory(monkeypatch):
     assert f"seqs x 2048 tokens; {CPU_KV_MEMORY_FRACTION:.0%} of MemAvailable 23.0 GiB" in why
     monkeypatch.setattr(placement, "mem_available", lambda: 64 * GiB)  # plenty: what 64 x 2048 tokens need
     blocks, why = kv_cache_blocks(cfg, per_token, 2048, torch.device("cpu"), weight_bytes=int(13.76e9))
-    assert blocks == 64 * 2048 // 16 and why.startswith("7.0 GiB: 64 seqs x 2048 tokens; MemAvailable 64.0 GiB")
+    assert blocks == 64 * 2048 // 16 and why.startswith(
+        "7.0 GiB: 64 seqs x 2048 tokens; MemAvailable 64.0 GiB"
+    )
     explicit = EngineConfig(model_path="x", kv_cache_memory=GiB)
     assert kv_cache_blocks(explicit, per_token, 2048, torch.device("cpu"))[1].endswith("--kv-cache-memory")
     monkeypatch.setattr(placement, "mem_available", lambda: 14 * GiB)

@@ -59,7 +59,11 @@ def models(tiny_checkpoint):
     def get(family):
         if family not in cache:
             d = tiny_checkpoint(family)
-            cache[family] = (d, engine(d), AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval())
+            cache[family] = (
+                d,
+                engine(d),
+                AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval(),
+            )
         return cache[family]
 
     return get
@@ -77,8 +81,14 @@ def hf_greedy(ref, ids, n, processors=(), eos=None):
     from transformers import LogitsProcessorList
 
     with torch.no_grad():
-        out = ref.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=0,
-                           logits_processor=LogitsProcessorList(list(processors)))
+        out = ref.generate(
+            torch.tensor([ids]),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=0,
+            logits_processor=LogitsProcessorList(list(processors)),
+        )
     return out[0, len(ids):].tolist()
 
 
@@ -99,8 +109,17 @@ def openai_penalties(prompt_len: int, presence: float, frequency: float):
 def test_logprobs_are_the_models_raw_logprobs(models, family):
     _d, core, ref = models(family)
     ids = prompt()
-    out = run(core, {"a": (ids, SamplingParams(max_tokens=8, temperature=0.7, seed=2, ignore_eos=True, logprobs=5,
-                                               prompt_logprobs=3))})
+    out = run(
+        core,
+        {
+            "a": (
+                ids,
+                SamplingParams(
+                    max_tokens=8, temperature=0.7, seed=2, ignore_eos=True, logprobs=5, prompt_logprobs=3
+                ),
+            )
+        },
+    )
     (res,) = out.values()
     full = ids + res["ids"]
     with torch.no_grad():
@@ -163,8 +182,17 @@ def test_penalties_and_biases_match_transformers_greedy(models, family):
     assert only(run(core, {"alone": reqs["repetition"]})) == together[("repetition", 0)]["ids"]
     # min_tokens: the first greedy token is made the stop token; it cannot come before 5 tokens
     stop = plain[0]
-    mine = run(core, {"m": (ids, SamplingParams(max_tokens=32, temperature=0, stop_token_ids=[stop], min_tokens=5,
-                                                ignore_eos=True))})[("m", 0)]
+    mine = run(
+        core,
+        {
+            "m": (
+                ids,
+                SamplingParams(
+                    max_tokens=32, temperature=0, stop_token_ids=[stop], min_tokens=5, ignore_eos=True
+                ),
+            )
+        },
+    )[("m", 0)]
     want = hf_greedy(ref, ids, 32, [MinNewTokensLengthLogitsProcessor(len(ids), 5, [stop])], eos=stop)
     assert len(mine["ids"]) >= 6 and mine["ids"] == want
     assert mine["reason"] == ("stop" if mine["ids"][-1] == stop else "length")
@@ -188,7 +216,9 @@ def test_min_p_matches_transformers_warper():
 def test_min_p_one_is_greedy(models):
     _d, core, ref = models("qwen2")
     ids = prompt(11, seed=8)
-    sampled = run(core, {"a": (ids, SamplingParams(max_tokens=16, temperature=1.5, min_p=1.0, seed=1, ignore_eos=True))})
+    sampled = run(
+        core, {"a": (ids, SamplingParams(max_tokens=16, temperature=1.5, min_p=1.0, seed=1, ignore_eos=True))}
+    )
     assert only(sampled) == hf_greedy(ref, ids, 16)
 
 

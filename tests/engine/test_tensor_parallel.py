@@ -80,7 +80,11 @@ def test_two_ranks_give_the_logits_of_one(tiny_checkpoint, tmp_path):
         want = prefill_and_decode(runner_for(case, None), case["ids"])
         for step, (ours, ref) in enumerate(zip(got[case["name"]], want)):
             assert ours.shape == ref.shape, (case["name"], step)
-            assert torch.allclose(ours, ref, atol=LOGIT_ATOL, rtol=0), (case["name"], step, (ours - ref).abs().max())
+            assert torch.allclose(ours, ref, atol=LOGIT_ATOL, rtol=0), (
+                case["name"],
+                step,
+                (ours - ref).abs().max(),
+            )
 
 
 # ---- rank-aware reads ---------------------------------------------------------------------------------
@@ -101,10 +105,18 @@ def test_each_rank_holds_its_slice_and_column_slices_stay_views_of_the_file(tiny
         if fused:
             assert a.qkv_proj.sources == {"q_proj": (rank * q, q, 2 * q), "k_proj": (rank * kv, kv, 2 * kv),
                                           "v_proj": (rank * kv, kv, 2 * kv)}
-            assert torch.equal(a.qkv_proj.weight, torch.cat([rows(attn.q_proj.weight, q), rows(attn.k_proj.weight, kv),
-                                                            rows(attn.v_proj.weight, kv)]))
-            assert torch.equal(a.qkv_proj.bias, torch.cat([rows(attn.q_proj.bias, q), rows(attn.k_proj.bias, kv),
-                                                          rows(attn.v_proj.bias, kv)]))
+            assert torch.equal(
+                a.qkv_proj.weight,
+                torch.cat(
+                    [rows(attn.q_proj.weight, q), rows(attn.k_proj.weight, kv), rows(attn.v_proj.weight, kv)]
+                ),
+            )
+            assert torch.equal(
+                a.qkv_proj.bias,
+                torch.cat(
+                    [rows(attn.q_proj.bias, q), rows(attn.k_proj.bias, kv), rows(attn.v_proj.bias, kv)]
+                ),
+            )
             assert torch.equal(m.gate_up_proj.weight, torch.cat([rows(mlp.gate_proj.weight, inter),
                                                                 rows(mlp.up_proj.weight, inter)]))
         else:
@@ -121,7 +133,9 @@ def test_each_rank_holds_its_slice_and_column_slices_stay_views_of_the_file(tiny
         half = cfg.vocab_size // 2
         assert torch.equal(part.model.embed_tokens.weight, rows(full.model.embed_tokens.weight, half))
         assert torch.equal(part.lm_head.weight, rows(full.lm_head.weight, half))
-        assert part.cfg.num_key_value_heads == cfg.num_key_value_heads // 2  # the KV cache is split by KV heads
+        assert (
+            part.cfg.num_key_value_heads == cfg.num_key_value_heads // 2
+        )  # the KV cache is split by KV heads
 
 
 def test_the_load_cursor_is_the_slowest_rank():
@@ -155,7 +169,9 @@ def test_a_step_round_trips_through_its_tensors():
 def test_sizes_that_cannot_be_split_name_the_numbers(tiny_checkpoint, monkeypatch):
     cfg = load_model_config(tiny_checkpoint("qwen2"))  # 6 heads, 3 KV heads
     msg = distributed.topology_error(2, cfg, torch.device("cpu"))
-    assert "num_key_value_heads (3)" in msg and "must be divisible" in msg and "num_attention_heads" not in msg
+    assert (
+        "num_key_value_heads (3)" in msg and "must be divisible" in msg and "num_attention_heads" not in msg
+    )
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert distributed.topology_error(2, cfg, torch.device("cuda")) == \
         "--tensor-parallel-size 2: more ranks than the 1 visible CUDA devices"
@@ -191,9 +207,13 @@ def test_two_ranks_serve_the_greedy_tokens_of_one(tiny_checkpoint, default_model
         choice = r.choices[0]
         tok = Tokenizer.from_dir(model)
         assert choice.logprobs.tokens == [tok.token_text(i) for i in ref_ids] and len(ref_ids) == 32
-        assert max(abs(a - b) for a, b in zip(choice.logprobs.token_logprobs, ref_lps, strict=True)) < LOGIT_ATOL
+        assert (
+            max(abs(a - b) for a, b in zip(choice.logprobs.token_logprobs, ref_lps, strict=True)) < LOGIT_ATOL
+        )
         names = [p["name"] for p in _phases(s)]
-        assert names.count("forkserver up (torch + engine imported)") == 1  # torch imported once for the group
+        assert (
+            names.count("forkserver up (torch + engine imported)") == 1
+        )  # torch imported once for the group
         assert "engine forked (rank 0)" in names and "engine forked (rank 1)" in names
         assert "tensor-parallel group joined" in names and "engine forked" not in names
     finally:
@@ -212,7 +232,13 @@ def _forkserver(s: Server) -> psutil.Process:
 def test_a_killed_rank_fails_the_stream_and_the_group_is_forked_again(tiny_checkpoint, default_model_dir):
     model = _servable(tiny_checkpoint, default_model_dir, "qwen2-tp")
     s = Server(str(model), "-tp", "2", *SERVE, "--compile", "eager-only")  # each rank packs its own shards
-    ask = {"model": model.name, "prompt": _prompt(512, 8), "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    ask = {
+        "model": model.name,
+        "prompt": _prompt(512, 8),
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     try:
         deadline = time.monotonic() + 30
         while not httpx.get(s.url + "/startup").json()["fast_path"]["packing"].startswith("packed"):
@@ -222,7 +248,9 @@ def test_a_killed_rank_fails_the_stream_and_the_group_is_forked_again(tiny_check
         assert fast["compile"].startswith("off:"), fast
         before = httpx.post(s.url + "/v1/completions", json=ask, timeout=60).json()["choices"][0]["text"]
         pids = _rank_pids(s)
-        assert sorted(pids) == [0, 1] and sorted(p.pid for p in _forkserver(s).children()) == sorted(pids.values())
+        assert sorted(pids) == [0, 1] and sorted(p.pid for p in _forkserver(s).children()) == sorted(
+            pids.values()
+        )
         with httpx.stream("POST", s.url + "/v1/completions", timeout=60,
                           json={**ask, "max_tokens": 900, "stream": True}) as r:
             lines = r.iter_lines()

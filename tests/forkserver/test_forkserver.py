@@ -119,7 +119,9 @@ def test_one_forkserver_forks_two_engines_that_both_serve(tiny_checkpoint):
             ready, phases = _until(pull, EngineReady)
             assert ready.pid == spawned[gen].pid
             assert [p.name for p in phases if isinstance(p, Span)][-1] == "KV cache allocated"
-            push.send(encoder.encode(EngineRequest("r", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0))))
+            push.send(
+                encoder.encode(EngineRequest("r", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0)))
+            )
             tokens = []
             while True:
                 out, _ = _until(pull, StepOutputs)
@@ -137,8 +139,9 @@ def test_one_forkserver_forks_two_engines_that_both_serve(tiny_checkpoint):
 
         fs.sock.close()  # the API process goes away: the forkserver stops its engines and exits
         assert fs.proc.wait(10) == 0
-        _, alive = psutil.wait_procs([psutil.Process(spawned[2].pid)] if psutil.pid_exists(spawned[2].pid) else [],
-                                     timeout=5)
+        _, alive = psutil.wait_procs(
+            [psutil.Process(spawned[2].pid)] if psutil.pid_exists(spawned[2].pid) else [], timeout=5
+        )
         assert not alive
     finally:
         if fs.proc.poll() is None:

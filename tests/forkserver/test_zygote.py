@@ -60,7 +60,12 @@ def patient_probe(monkeypatch):
 
 def _zygote(rundir: str, *args: str, env: dict | None = None, cwd: str | None = None,
             timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HOTSTART_RUNTIME_DIR": rundir, **(NO_WATCH if args[0] == "start" else {}), **(env or {})}
+    env = {
+        **os.environ,
+        "HOTSTART_RUNTIME_DIR": rundir,
+        **(NO_WATCH if args[0] == "start" else {}),
+        **(env or {}),
+    }
     return subprocess.run([sys.executable, "-m", "hotstart", "zygote", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=cwd, check=False)
 
@@ -201,7 +206,9 @@ def test_a_zygote_killed_mid_start_is_replaced_by_a_local_forkserver(default_mod
         r = httpx.post(s.url + "/v1/chat/completions", json=QUESTION, timeout=60)
         assert r.status_code == 200, r.text
         assert "zygote exited" in s.output and "Traceback" not in s.output, s.output
-        assert len([p for p in psutil.Process(s.pid).children() if "forkserver" in " ".join(p.cmdline())]) == 1
+        assert (
+            len([p for p in psutil.Process(s.pid).children() if "forkserver" in " ".join(p.cmdline())]) == 1
+        )
     finally:
         r = s.stop(10, group=False)
     assert not r["killed"] and not r["leftover"], r
@@ -300,7 +307,9 @@ def test_an_edit_restarts_the_zygote(tmp_path, rundir):
         if status.returncode == 0 and "stale" not in status.stdout:
             break
         time.sleep(0.2)
-    assert f"running, pid {pid}" in status.stdout and "stale" not in status.stdout, status.stdout  # execv: same pid
+    assert f"running, pid {pid}" in status.stdout and "stale" not in status.stdout, (
+        status.stdout
+    )  # execv: same pid
     assert _zygote(rundir, "stop", env=env, cwd=str(root)).returncode == 0
     assert _wait_gone(pid)
 

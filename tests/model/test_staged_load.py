@@ -13,8 +13,10 @@ from hotstart.model.files import weight_files
 from hotstart.model.loader import load_model
 
 
-@pytest.mark.parametrize("family,fused,dtype", [("qwen2", True, torch.float32), ("qwen3", False, torch.float32),
-                                               ("llama", True, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "family,fused,dtype",
+    [("qwen2", True, torch.float32), ("qwen3", False, torch.float32), ("llama", True, torch.bfloat16)],
+)
 def test_staged_load_equals_plain(family, fused, dtype, tiny_checkpoint, monkeypatch):
     folder = tiny_checkpoint(family)
     cfg = load_model_config(folder)

@@ -35,14 +35,20 @@ CHILD = textwrap.dedent("""
     params = list(model.parameters())
     outside = [n for n, p in model.named_parameters()
                if not any(lo <= p.data_ptr() and p.data_ptr() + p.nbytes <= hi for lo, hi in ranges)]
+    dtypes = sorted({str(p.dtype) for p in params})
     print(json.dumps({"weights": sum(p.nbytes for p in params), "anon": anon1 - anon0, "file": file1 - file0,
-                      "outside": outside, "mappings": len(ranges), "dtypes": sorted({str(p.dtype) for p in params})}))
+                      "outside": outside, "mappings": len(ranges), "dtypes": dtypes}))
 """)
 
 
 def test_cpu_weights_are_views_of_the_file_mapping(default_model_dir):
-    out = subprocess.run([sys.executable, "-c", CHILD, str(default_model_dir)], capture_output=True, text=True, check=False,
-                         timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, str(default_model_dir)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["dtypes"] == ["torch.bfloat16"] and r["mappings"] >= 1

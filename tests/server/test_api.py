@@ -180,9 +180,23 @@ ERROR_CASES = [
     ("chat", {"model": None}, 400, "model", None),
     ("chat", {"messages": []}, 400, "messages", None),
     ("chat", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role", None),
-    ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
-                                                        {"type": "image_url", "image_url": {"url": "x"}}]}]},
-     400, "messages[0].content[1]", None),
+    (
+        "chat",
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "a"},
+                        {"type": "image_url", "image_url": {"url": "x"}},
+                    ],
+                }
+            ]
+        },
+        400,
+        "messages[0].content[1]",
+        None,
+    ),
     ("chat", {"messages": [{"role": "user"}]}, 400, "messages[0].content", None),
     ("chat", {"messages": "hi"}, 400, "messages", None),
     ("chat", {"temperature": -0.1}, 400, "temperature", None),
@@ -214,7 +228,13 @@ ERROR_CASES = [
     ("chat", {"min_p": 1.5}, 400, "min_p", "invalid_value"),
     ("chat", {"min_tokens": -1}, 400, "min_tokens", "invalid_value"),
     ("chat", {"min_tokens": 11, "max_tokens": 10}, 400, "min_tokens", "invalid_value"),
-    ("chat", {"response_format": {"type": "structural_tag"}}, 400, "response_format.type", "unsupported_parameter"),
+    (
+        "chat",
+        {"response_format": {"type": "structural_tag"}},
+        400,
+        "response_format.type",
+        "unsupported_parameter",
+    ),
     ("chat", {"stream_options": {"include_usage": True}}, 400, "stream_options", None),
     ("chat", {"seed": 2**70}, 400, "seed", None),
     ("chat", {"stop_token_ids": [10**9]}, 400, "stop_token_ids", None),

@@ -47,7 +47,9 @@ def test_n_choices_seeded_reproducible_with_openai_usage(client, tok):
     assert all(c.finish_reason in ("stop", "length") for c in r.choices)
     per_choice = [len(c.logprobs.content) for c in r.choices]
     assert r.usage.prompt_tokens == len(tok.encode_chat(QUESTION))  # the prompt once
-    assert r.usage.completion_tokens == sum(per_choice) and r.usage.total_tokens == r.usage.prompt_tokens + sum(per_choice)
+    assert r.usage.completion_tokens == sum(
+        per_choice
+    ) and r.usage.total_tokens == r.usage.prompt_tokens + sum(per_choice)
     texts = [c.message.content for c in r.choices]
     assert len(set(texts)) > 1
     assert [c.message.content for c in chat(client, **kw).choices] == texts
@@ -80,8 +82,12 @@ def test_chat_logprobs(client):
     assert len(content) == r.usage.completion_tokens
     for e in content:
         assert e.logprob <= 0 and len(e.top_logprobs) == 3
-        assert [t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
-        assert e.token == e.top_logprobs[0].token and abs(e.logprob - e.top_logprobs[0].logprob) < 1e-6  # greedy
+        assert [t.logprob for t in e.top_logprobs] == sorted(
+            (t.logprob for t in e.top_logprobs), reverse=True
+        )
+        assert (
+            e.token == e.top_logprobs[0].token and abs(e.logprob - e.top_logprobs[0].logprob) < 1e-6
+        )  # greedy
         assert bytes(e.bytes).decode("utf-8", "replace") == e.token
     text = "".join(e.token for e in content)
     assert text.startswith(r.choices[0].message.content)
@@ -96,11 +102,18 @@ def test_chat_logprobs(client):
 def test_completion_logprobs_with_echo(client, tok):
     prompt = "The capital of France is"
     n_prompt = len(tok.encode(prompt))
-    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, logprobs=2, echo=True)
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=5, temperature=0, logprobs=2, echo=True
+    )
     (choice,) = r.choices
     lp = choice.logprobs
     assert choice.text.startswith(prompt)
-    assert len(lp.tokens) == n_prompt + r.usage.completion_tokens == len(lp.token_logprobs) == len(lp.text_offset)
+    assert (
+        len(lp.tokens)
+        == n_prompt + r.usage.completion_tokens
+        == len(lp.token_logprobs)
+        == len(lp.text_offset)
+    )
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # the first prompt token has none
     assert all(v <= 0 for v in lp.token_logprobs[1:])
     # the top dict holds the top 2 and the chosen token
@@ -109,13 +122,21 @@ def test_completion_logprobs_with_echo(client, tok):
     plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, logprobs=2)
     assert plain.choices[0].text == choice.text[len(prompt):]
     assert plain.choices[0].logprobs.tokens == lp.tokens[n_prompt:]
-    assert all(abs(a - b) < 1e-3 for a, b in zip(plain.choices[0].logprobs.token_logprobs, lp.token_logprobs[n_prompt:]))
-    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, logprobs=2,
-                                            echo=True, stream=True))
+    assert all(
+        abs(a - b) < 1e-3
+        for a, b in zip(plain.choices[0].logprobs.token_logprobs, lp.token_logprobs[n_prompt:])
+    )
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=5, temperature=0, logprobs=2, echo=True, stream=True
+        )
+    )
     first = chunks[0].choices[0]
     assert first.text == prompt and first.logprobs.tokens == lp.tokens[:n_prompt]
     assert first.logprobs.token_logprobs[0] is None
-    later = [t for c in chunks[1:] if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    later = [
+        t for c in chunks[1:] if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens
+    ]
     assert later == lp.tokens[n_prompt:]
 
 
@@ -126,8 +147,12 @@ def test_penalties_biases_and_min_tokens(client, tok):
     assert len(first) == 1
     biased = chat(client, logprobs=True, logit_bias={str(first[0]): -100}, **base).choices[0]
     assert biased.logprobs.content[0].token != plain.logprobs.content[0].token
-    boosted = chat(client, logit_bias={str(tok.encode(" banana", add_special_tokens=False)[0]): 100}, max_tokens=3,
-                   temperature=0)
+    boosted = chat(
+        client,
+        logit_bias={str(tok.encode(" banana", add_special_tokens=False)[0]): 100},
+        max_tokens=3,
+        temperature=0,
+    )
     assert boosted.choices[0].message.content == " banana" * 3
     repeat = [{"role": "user", "content": "Write the word cat ten times."}]
     unpenalized = chat(client, messages=repeat, **base).choices[0].message.content

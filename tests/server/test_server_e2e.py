@@ -37,7 +37,9 @@ def tok(default_model_dir):
 
 
 def test_chat_greedy_answers_paris_with_exact_usage(client, tok):
-    r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, temperature=0, max_tokens=32)
+    r = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=QUESTION, temperature=0, max_tokens=32
+    )
     text = r.choices[0].message.content
     assert "Paris" in text
     assert r.choices[0].finish_reason == "stop"
@@ -51,10 +53,26 @@ def test_greedy_equals_generate_and_transformers(client, tok, default_model_dir)
     import torch
     from transformers import AutoModelForCausalLM
 
-    r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, temperature=0, max_tokens=32)
+    r = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=QUESTION, temperature=0, max_tokens=32
+    )
     served = r.choices[0].message.content
-    out = subprocess.run([sys.executable, "-m", "hotstart", "generate", "--prompt", QUESTION[0]["content"], "--chat",
-                          "--max-tokens", "32"], capture_output=True, text=True, timeout=180)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hotstart",
+            "generate",
+            "--prompt",
+            QUESTION[0]["content"],
+            "--chat",
+            "--max-tokens",
+            "32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == served.strip()
     ids = tok.encode_chat(QUESTION)
@@ -65,9 +83,14 @@ def test_greedy_equals_generate_and_transformers(client, tok, default_model_dir)
 
 
 def test_completions_and_models(client, server):
-    r = client.completions.create(model="SmolLM2-135M-Instruct", prompt="The capital of France is", max_tokens=8,
-                                  temperature=0)
-    assert r.choices[0].text.strip() and r.usage.completion_tokens == 8 and r.choices[0].finish_reason == "length"
+    r = client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt="The capital of France is", max_tokens=8, temperature=0
+    )
+    assert (
+        r.choices[0].text.strip()
+        and r.usage.completion_tokens == 8
+        and r.choices[0].finish_reason == "length"
+    )
     models = client.models.list()
     assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct"]
 
@@ -76,7 +99,9 @@ def test_stream_reassembles_to_non_streaming(client):
     kwargs = dict(model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Name three fruits."}],
                   temperature=0, max_tokens=40)
     full = client.chat.completions.create(**kwargs)
-    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    chunks = list(
+        client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
@@ -88,10 +113,17 @@ def test_sixteen_concurrent_streams_match_alone(client):
     prompts = [f"Write one sentence about the number {i}." for i in range(16)]
 
     def ask(p: str, stream: bool) -> str:
-        kw = dict(model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": p}], temperature=0, max_tokens=24)
+        kw = dict(
+            model="SmolLM2-135M-Instruct",
+            messages=[{"role": "user", "content": p}],
+            temperature=0,
+            max_tokens=24,
+        )
         if not stream:
             return client.chat.completions.create(**kw).choices[0].message.content
-        return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw))
+        return "".join(
+            c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
+        )
 
     alone = [ask(p, False) for p in prompts[:4]]
     with cf.ThreadPoolExecutor(16) as pool:
@@ -106,17 +138,27 @@ def test_errors_leave_server_healthy(server, client):
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     r = httpx.post(base + "/v1/completions", json={"model": "SmolLM2-135M-Instruct", "prompt": "hi " * 2000})
     assert r.status_code == 400 and "1024" in r.json()["error"]["message"]
-    r = httpx.post(base + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    r = httpx.post(
+        base + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400 and "error" in r.json()
     assert httpx.get(base + "/health").status_code == 200
-    ok = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, temperature=0, max_tokens=16)
+    ok = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=QUESTION, temperature=0, max_tokens=16
+    )
     assert "Paris" in ok.choices[0].message.content
 
 
 def test_startup_and_metrics_endpoints(server):
     s = httpx.get(server.url + "/startup").json()
     names = [p["name"] for p in s["phases"]]
-    for phase in ("model resolved", "tokenizer loaded", "socket bound", "weights loaded", "KV cache allocated"):
+    for phase in (
+        "model resolved",
+        "tokenizer loaded",
+        "socket bound",
+        "weights loaded",
+        "KV cache allocated",
+    ):
         assert phase in names, names
     m = httpx.get(server.url + "/metrics").text
     assert "hotstart_startup_duration_seconds" in m or "startup" in m

@@ -82,7 +82,9 @@ def test_health_and_readiness_follow_the_engine_status():
     assert answer(s.health()) == (503, {"status": "loading weights"})
     with pytest.raises(ApiError) as e:
         s.require_ready()
-    assert e.value.status == 503 and e.value.code == "engine_not_ready" and "loading weights" in e.value.message
+    assert (
+        e.value.status == 503 and e.value.code == "engine_not_ready" and "loading weights" in e.value.message
+    )
     engine.set_ready()
     assert answer(s.health()) == (200, {"status": "ready"})
     s.require_ready()
@@ -128,13 +130,27 @@ def test_prepare_completion_with_token_ids():
 def test_generation_config_fields_become_defaults_requests_override(tmp_path):
     from hotstart.server.validation import read_generation_config, sampling_defaults
 
-    (tmp_path / "generation_config.json").write_text(json.dumps(
-        {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05, "min_p": 0.1,
-         "max_new_tokens": 99, "eos_token_id": [1, 2], "typical_p": 0.5}))
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "do_sample": True,
+                "temperature": 0.7,
+                "top_p": 0.8,
+                "top_k": 20,
+                "repetition_penalty": 1.05,
+                "min_p": 0.1,
+                "max_new_tokens": 99,
+                "eos_token_id": [1, 2],
+                "typical_p": 0.5,
+            }
+        )
+    )
     want = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.1, "repetition_penalty": 1.05}
     assert read_generation_config(tmp_path) == want == sampling_defaults(tmp_path, "auto")
     assert sampling_defaults(tmp_path, "none") == {}
-    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 5, "top_p": "x", "top_k": True}))
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"temperature": 5, "top_p": "x", "top_k": True})
+    )
     assert read_generation_config(tmp_path) == {}  # out of range or not numbers: ignored
     assert read_generation_config(tmp_path / "missing") == {}
     engine = EngineHandle()
@@ -155,7 +171,13 @@ def test_sampling_params_carry_every_feature():
     _, _, p, _ = s.prepare_completion(completion(
         prompt="hi", n=3, logprobs=2, echo=True, presence_penalty=0.5, frequency_penalty=-0.5,
         logit_bias={"7": -100, " 9": 2.5}, min_tokens=4, max_tokens=10, seed=1))
-    assert (p.n, p.logprobs, p.prompt_logprobs, p.presence_penalty, p.frequency_penalty) == (3, 2, 2, 0.5, -0.5)
+    assert (p.n, p.logprobs, p.prompt_logprobs, p.presence_penalty, p.frequency_penalty) == (
+        3,
+        2,
+        2,
+        0.5,
+        -0.5,
+    )
     assert p.logit_bias == {7: -100.0, 9: 2.5} and p.min_tokens == 4 and p.needs_sampler_state
     _, _, p, _ = s.prepare_completion(completion(prompt=[1, 2, 3], n=2))
     assert p.n == 2 and not p.needs_sampler_state and p.prompt_logprobs is None  # n alone: the plain path

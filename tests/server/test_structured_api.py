@@ -37,19 +37,33 @@ def grammar_sent(engine) -> str | None:
     return params.grammar
 
 
-@pytest.mark.parametrize("path,patch", [
-    ("chat", {"response_format": {"type": "json_object"}}),
-    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA, "strict": True}}}),
-    ("chat", {"structured_outputs": {"regex": "[a-z]+"}}),
-    ("chat", {"structured_outputs": {"choice": ["yes", "no"]}}),
-    ("chat", {"guided_json": json.dumps(SCHEMA)}),
-    ("chat", {"guided_grammar": 'start: "a" | "b"'}),
-    ("chat", {"tools": [WEATHER], "tool_choice": "required"}),
-    ("chat", {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
-    ("chat", {"tools": [WEATHER], "response_format": {"type": "json_object"}}),  # calls or JSON
-    ("completions", {"response_format": {"type": "json_object"}}),
-    ("completions", {"guided_choice": ["left", "right"]}),
-])
+@pytest.mark.parametrize(
+    "path,patch",
+    [
+        ("chat", {"response_format": {"type": "json_object"}}),
+        (
+            "chat",
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "c", "schema": SCHEMA, "strict": True},
+                }
+            },
+        ),
+        ("chat", {"structured_outputs": {"regex": "[a-z]+"}}),
+        ("chat", {"structured_outputs": {"choice": ["yes", "no"]}}),
+        ("chat", {"guided_json": json.dumps(SCHEMA)}),
+        ("chat", {"guided_grammar": 'start: "a" | "b"'}),
+        ("chat", {"tools": [WEATHER], "tool_choice": "required"}),
+        (
+            "chat",
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+        ),
+        ("chat", {"tools": [WEATHER], "response_format": {"type": "json_object"}}),  # calls or JSON
+        ("completions", {"response_format": {"type": "json_object"}}),
+        ("completions", {"guided_choice": ["left", "right"]}),
+    ],
+)
 def test_constraints_reach_the_engine_as_grammars(client, engine, path, patch):
     base = chat_body() if path == "chat" else {"model": MODEL, "prompt": "hello"}
     r = client.post(f"/v1/{'chat/' if path == 'chat' else ''}completions", json={**base, **patch})
@@ -68,17 +82,61 @@ def test_no_constraint_no_grammar(client, engine, patch):
 
 
 BAD = [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}}},
-     "response_format", "objec"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}}, "response_format", "missing"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {
-        "type": "object", "properties": {"a": {"type": "string", "format": "zodiac-sign"}}}}}},
-     "response_format", "format"),
-    ({"response_format": {"type": "json_schema", "json_schema": "nope"}}, "response_format.json_schema", None),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 3}}},
-     "response_format.json_schema.schema", None),
-    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format.json_schema.name", None),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "objec"}},
+            }
+        },
+        "response_format",
+        "objec",
+    ),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "x",
+                    "schema": {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}},
+                },
+            }
+        },
+        "response_format",
+        "missing",
+    ),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "x",
+                    "strict": True,
+                    "schema": {
+                        "type": "object",
+                        "properties": {"a": {"type": "string", "format": "zodiac-sign"}},
+                    },
+                },
+            }
+        },
+        "response_format",
+        "format",
+    ),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": "nope"}},
+        "response_format.json_schema",
+        None,
+    ),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 3}}},
+        "response_format.json_schema.schema",
+        None,
+    ),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+        "response_format.json_schema.name",
+        None,
+    ),
     ({"response_format": "json"}, "response_format", None),
     ({"guided_regex": "(ab"}, "guided_regex", "regex"),
     ({"guided_choice": []}, "guided_choice", None),
@@ -86,11 +144,24 @@ BAD = [
     ({"guided_json": "{not json"}, "guided_json", None),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "only one"),
     ({"tool_choice": "required"}, "tool_choice", None),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice", "other"),
-    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
-     "response_format", "combined"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}],
-      "tool_choice": "required"}, "tools", None),
+    (
+        {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}},
+        "tool_choice",
+        "other",
+    ),
+    (
+        {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+        "response_format",
+        "combined",
+    ),
+    (
+        {
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}],
+            "tool_choice": "required",
+        },
+        "tools",
+        None,
+    ),
 ]
 
 
@@ -111,7 +182,9 @@ def test_tool_calls_answer(client, engine, tok):
     assert msg["content"] == "Checking." and msg["role"] == "assistant"
     (call,) = msg["tool_calls"]
     assert call["id"].startswith("call_") and call["type"] == "function"
-    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {
+        "city": "Paris"
+    }
     # tool_choice none: the text stays text
     r = client.post("/v1/chat/completions", json=chat_body(tools=[WEATHER], tool_choice="none")).json()
     assert r["choices"][0]["message"] == {"role": "assistant", "content": CALL_TEXT}
@@ -151,12 +224,20 @@ def test_auto_tool_choice_off_and_llama3_parser(engine, tok):
 def test_closed_objects():
     from hotstart.server.structured import closed_objects
 
-    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}},
-                                               "properties": {"type": "string"}},
-              "$defs": {"D": {"properties": {"x": {}}}}, "allOf": [{"properties": {"y": {}}}]}
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "object", "properties": {"b": {"type": "integer"}}},
+            "properties": {"type": "string"},
+        },
+        "$defs": {"D": {"properties": {"x": {}}}},
+        "allOf": [{"properties": {"y": {}}}],
+    }
     out = closed_objects(schema)
     assert out["additionalProperties"] is False and out["properties"]["a"]["additionalProperties"] is False
-    assert out["$defs"]["D"]["additionalProperties"] is False and "additionalProperties" not in out["allOf"][0]
+    assert (
+        out["$defs"]["D"]["additionalProperties"] is False and "additionalProperties" not in out["allOf"][0]
+    )
     assert "additionalProperties" not in out["properties"]["properties"]
     assert closed_objects({"properties": {}, "additionalProperties": True})["additionalProperties"] is True
     assert "additionalProperties" not in schema  # a copy

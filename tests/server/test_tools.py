@@ -25,14 +25,28 @@ from hotstart.server.tools import (
     tool_grammar,
 )
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
-    "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city"],
+        },
+    },
+}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}}
-QWEN_TWO = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
-            '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}\n</tool_call>')
-LLAMA_TWO = '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {"tz": "UTC"}}'
+QWEN_TWO = (
+    'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
+    '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}\n</tool_call>'
+)
+LLAMA_TWO = (
+    '{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+    '{"name": "get_time", "parameters": {"tz": "UTC"}}'
+)
 
 
 def names_args(calls):
@@ -64,15 +78,18 @@ def test_hermes_qwen_text():
     broken = '<tool_call>\n{"name": "f", "argu'
     assert parse(HERMES, broken) == (broken, [])
     # arguments given as JSON text are accepted too
-    assert names_args(parse(HERMES, '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>')[1]) == [
-        ("f", {"a": 1})]
+    assert names_args(
+        parse(HERMES, '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>')[1]
+    ) == [("f", {"a": 1})]
 
 
 def test_llama3_json_text():
     content, calls = parse(LLAMA3, LLAMA_TWO)
     assert content is None
     assert names_args(calls) == [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "UTC"})]
-    assert names_args(parse(LLAMA3, '<|python_tag|>{"name": "f", "arguments": {"x": 2}}')[1]) == [("f", {"x": 2})]
+    assert names_args(parse(LLAMA3, '<|python_tag|>{"name": "f", "arguments": {"x": 2}}')[1]) == [
+        ("f", {"x": 2})
+    ]
     assert parse(LLAMA3, "Paris is the capital.") == ("Paris is the capital.", [])
     assert parse(LLAMA3, '{"not": "a call"}') == ('{"not": "a call"}', [])
 
@@ -115,7 +132,9 @@ def test_detect_parser():
 def test_forced_names():
     assert forced_names([WEATHER], "auto") is None and forced_names(None, None) is None
     assert forced_names([WEATHER, TIME], "required") == ["get_weather", "get_time"]
-    assert forced_names([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}}) == ["get_time"]
+    assert forced_names([WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}}) == [
+        "get_time"
+    ]
     for tools, choice in (([WEATHER], {"type": "function", "function": {"name": "nope"}}), (None, "required"),
                           ([WEATHER], "sometimes"), ([WEATHER], {"type": "function"})):
         with pytest.raises(ApiError) as e:
@@ -140,17 +159,26 @@ def accepts(tok, grammar: str, text: str) -> bool:
 def test_tool_grammars_accept_valid_calls_only(llg_tok):
     from hotstart.server.structured import compile_grammar
 
-    hermes = compile_grammar("lark", tool_grammar([WEATHER, TIME], ["get_weather", "get_time"], HERMES, True), "tools")
-    one = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+    hermes = compile_grammar(
+        "lark", tool_grammar([WEATHER, TIME], ["get_weather", "get_time"], HERMES, True), "tools"
+    )
+    one = (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+        "\n</tool_call>"
+    )
     assert accepts(llg_tok, hermes, one)
-    assert accepts(llg_tok, hermes, one + '\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>')
+    assert accepts(
+        llg_tok, hermes, one + '\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>'
+    )
     assert not accepts(llg_tok, hermes, one.replace("celsius", "kelvin"))  # not in the enum
     assert not accepts(llg_tok, hermes, one.replace('"city": "Paris", ', ""))  # required argument missing
     assert not accepts(llg_tok, hermes, one.replace("get_weather", "get_wetter"))
     assert not accepts(llg_tok, hermes, "Sure! " + one)
     named = compile_grammar("lark", tool_grammar([WEATHER, TIME], ["get_time"], HERMES, False), "tools")
     assert not accepts(llg_tok, named, one) and not accepts(llg_tok, named, one + "\n" + one)
-    llama = compile_grammar("lark", tool_grammar([WEATHER, TIME], ["get_weather", "get_time"], LLAMA3, True), "tools")
+    llama = compile_grammar(
+        "lark", tool_grammar([WEATHER, TIME], ["get_weather", "get_time"], LLAMA3, True), "tools"
+    )
     assert accepts(llg_tok, llama, LLAMA_TWO)
     assert not accepts(llg_tok, llama, one)
     # tool_choice auto + response_format: calls, or the JSON answer
@@ -163,22 +191,50 @@ def test_tool_grammars_accept_valid_calls_only(llg_tok):
 def test_tool_grammar_keeps_defs_references(llg_tok):
     from hotstart.server.structured import compile_grammar
 
-    tool = {"type": "function", "function": {"name": "ship", "parameters": {
-        "$defs": {"Address": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
-        "type": "object", "properties": {"to": {"$ref": "#/$defs/Address"}}, "required": ["to"]}}}
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "ship",
+            "parameters": {
+                "$defs": {
+                    "Address": {
+                        "type": "object",
+                        "properties": {"city": {"type": "string"}},
+                        "required": ["city"],
+                    }
+                },
+                "type": "object",
+                "properties": {"to": {"$ref": "#/$defs/Address"}},
+                "required": ["to"],
+            },
+        },
+    }
     g = compile_grammar("lark", tool_grammar([tool], ["ship"], HERMES, False), "tools")
-    assert accepts(llg_tok, g, '<tool_call>\n{"name": "ship", "arguments": {"to": {"city": "Lyon"}}}\n</tool_call>')
+    assert accepts(
+        llg_tok, g, '<tool_call>\n{"name": "ship", "arguments": {"to": {"city": "Lyon"}}}\n</tool_call>'
+    )
 
 
 ROUND_TRIP = [
     {"role": "user", "content": "Weather in Paris?"},
-    {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
 ]
 
 
-@pytest.mark.parametrize("template", ["default", "qwen2.5_chat_template.jinja", "llama3_tools_chat_template.jinja"])
+@pytest.mark.parametrize(
+    "template", ["default", "qwen2.5_chat_template.jinja", "llama3_tools_chat_template.jinja"]
+)
 def test_tool_round_trip_renders_as_transformers(default_model_dir, tmp_path, template):
     """OpenAI-shaped messages (arguments as JSON text) render as transformers renders the Hugging Face
     shape (arguments as a dict) on the default model's template and on Qwen2.5- / Llama-3-style ones."""

@@ -17,14 +17,28 @@ from util import Server, openai_client, serving
 pytestmark = pytest.mark.e2e
 
 MODEL = "SmolLM2-135M-Instruct"
-WEATHER_PARAMS = {"type": "object", "properties": {
-    "city": {"type": "string", "maxLength": 40}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-    "required": ["city", "unit"]}
+WEATHER_PARAMS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 40},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
                                             "parameters": WEATHER_PARAMS}}
-TIME = {"type": "function", "function": {"name": "get_time", "description": "Local time of a timezone",
-                                         "parameters": {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 20}},
-                                                        "required": ["tz"]}}}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "Local time of a timezone",
+        "parameters": {
+            "type": "object",
+            "properties": {"tz": {"type": "string", "maxLength": 20}},
+            "required": ["tz"],
+        },
+    },
+}
 ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 
 
@@ -47,8 +61,15 @@ def client(server) -> OpenAI:
 
 def test_openai_tools_loop(client):
     """call -> tool result -> final answer; the call is forced (the 135M model rarely picks tools itself)."""
-    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
-                                       parallel_tool_calls=False, temperature=0, max_tokens=120)
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=120,
+    )
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls"
     (call,) = choice.message.tool_calls
@@ -57,10 +78,14 @@ def test_openai_tools_loop(client):
     args = json.loads(call.function.arguments)
     if call.function.name == "get_weather":
         jsonschema.validate(args, WEATHER_PARAMS)
-    messages = [*ASK, choice.message.model_dump(exclude_none=True),
-                {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21, "sky": "clear"})}]
-    final = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, TIME], temperature=0,
-                                           max_tokens=40)
+    messages = [
+        *ASK,
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21, "sky": "clear"})},
+    ]
+    final = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER, TIME], temperature=0, max_tokens=40
+    )
     assert final.choices[0].finish_reason in ("stop", "length")
     assert final.choices[0].message.content and not final.choices[0].message.tool_calls
     assert final.usage.prompt_tokens > r.usage.prompt_tokens  # the call and its result are in the prompt
@@ -68,8 +93,14 @@ def test_openai_tools_loop(client):
 
 @pytest.mark.parametrize("temperature,seed", [(0, None), (1.0, 1), (1.0, 2)])
 def test_openai_parse_with_pydantic(client, temperature, seed):
-    r = client.chat.completions.parse(model=MODEL, response_format=City, temperature=temperature, seed=seed,
-                                      max_tokens=500, messages=[{"role": "user", "content": "Describe Paris as JSON."}])
+    r = client.chat.completions.parse(
+        model=MODEL,
+        response_format=City,
+        temperature=temperature,
+        seed=seed,
+        max_tokens=500,
+        messages=[{"role": "user", "content": "Describe Paris as JSON."}],
+    )
     assert r.choices[0].finish_reason == "stop"
     city = r.choices[0].message.parsed
     assert isinstance(city, City) and city.name
@@ -77,13 +108,24 @@ def test_openai_parse_with_pydantic(client, temperature, seed):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_json_object_and_schema_streamed_and_not(client, stream):
-    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 80},
-                                               "confidence": {"type": "integer", "minimum": 0, "maximum": 10}}, "required": ["answer"]}
+    schema = {
+        "type": "object",
+        "properties": {
+            "answer": {"type": "string", "maxLength": 80},
+            "confidence": {"type": "integer", "minimum": 0, "maximum": 10},
+        },
+        "required": ["answer"],
+    }
     formats = [{"type": "json_object"},
                {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}]
     for fmt in formats:
-        kw = dict(model=MODEL, messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
-                  response_format=fmt, temperature=0, max_tokens=300)
+        kw = dict(
+            model=MODEL,
+            messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
+            response_format=fmt,
+            temperature=0,
+            max_tokens=300,
+        )
         if stream:
             chunks = list(client.chat.completions.create(stream=True, **kw))
             text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -99,8 +141,15 @@ def test_json_object_and_schema_streamed_and_not(client, stream):
 
 
 def test_completions_guided_choice_and_regex(client):
-    r = client.completions.create(model=MODEL, prompt="Is Paris in France? Answer:", max_tokens=10, temperature=1.0,
-                                  n=4, seed=5, extra_body={"guided_choice": ["yes", "no"]})
+    r = client.completions.create(
+        model=MODEL,
+        prompt="Is Paris in France? Answer:",
+        max_tokens=10,
+        temperature=1.0,
+        n=4,
+        seed=5,
+        extra_body={"guided_choice": ["yes", "no"]},
+    )
     assert {c.text for c in r.choices} <= {"yes", "no"} and all(c.finish_reason == "stop" for c in r.choices)
     r = client.completions.create(model=MODEL, prompt="The year Paris hosted the Olympics:", max_tokens=10,
                                   temperature=0, extra_body={"structured_outputs": {"regex": "[12][0-9]{3}"}})
@@ -116,7 +165,9 @@ def test_streamed_named_tool_call(client):
     assert len(calls) == 1  # one delta carries the whole call: id, type, name and arguments
     assert calls[0].index == 0 and calls[0].id.startswith("call_") and calls[0].function.name == "get_weather"
     jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER_PARAMS)
-    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        "tool_calls"
+    ]
 
 
 def test_invalid_schema_is_a_400(client):
@@ -138,11 +189,22 @@ def test_langchain_bind_tools_and_structured_output(server):
         """Current weather of a city (unit: celsius or fahrenheit)."""
         return f"21 degrees {unit} in {city}"
 
-    llm = ChatOpenAI(model=MODEL, base_url=server.url + "/v1", api_key="unused", temperature=0, max_tokens=200,
-                     max_retries=0, timeout=120)
+    llm = ChatOpenAI(
+        model=MODEL,
+        base_url=server.url + "/v1",
+        api_key="unused",
+        temperature=0,
+        max_tokens=200,
+        max_retries=0,
+        timeout=120,
+    )
     msg = llm.bind_tools([get_weather], tool_choice="get_weather").invoke("What is the weather in Paris?")
     (call,) = msg.tool_calls
-    assert call["name"] == "get_weather" and set(call["args"]) == {"city", "unit"} and call["id"].startswith("call_")
+    assert (
+        call["name"] == "get_weather"
+        and set(call["args"]) == {"city", "unit"}
+        and call["id"].startswith("call_")
+    )
     for method in ("json_schema", "function_calling"):
         city = llm.with_structured_output(City, method=method).invoke("Describe Paris.")
         assert isinstance(city, City) and city.name, method
@@ -150,14 +212,18 @@ def test_langchain_bind_tools_and_structured_output(server):
 
 @pytest.fixture(scope="module")
 def qwen_server(tmp_path_factory, default_model_dir):
-    d = make_tiny(tmp_path_factory.mktemp("qwen-tools") / "m", (DATA / "qwen2.5_chat_template.jinja").read_text())
+    d = make_tiny(
+        tmp_path_factory.mktemp("qwen-tools") / "m", (DATA / "qwen2.5_chat_template.jinja").read_text()
+    )
     yield from serving(str(d), "--served-model-name", "tiny", "--max-model-len", "1024", "--dtype", "float32")
 
 
 def test_random_model_forced_calls_are_valid(qwen_server):
     client = openai_client(qwen_server)
     plain = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=1, temperature=0)
-    kw = dict(model="tiny", messages=ASK, tools=[WEATHER, TIME], max_tokens=300, temperature=1.5, n=4, seed=11)
+    kw = dict(
+        model="tiny", messages=ASK, tools=[WEATHER, TIME], max_tokens=300, temperature=1.5, n=4, seed=11
+    )
     r = client.chat.completions.create(tool_choice="required", parallel_tool_calls=False, **kw)
     assert r.usage.prompt_tokens > plain.usage.prompt_tokens + 50  # the Qwen template rendered the tools
     for choice in r.choices:
@@ -166,7 +232,9 @@ def test_random_model_forced_calls_are_valid(qwen_server):
         args = json.loads(call.function.arguments)
         schema = WEATHER_PARAMS if call.function.name == "get_weather" else TIME["function"]["parameters"]
         jsonschema.validate(args, schema)
-    r = client.chat.completions.create(tool_choice={"type": "function", "function": {"name": "get_time"}}, **kw)
+    r = client.chat.completions.create(
+        tool_choice={"type": "function", "function": {"name": "get_time"}}, **kw
+    )
     assert all(c.message.tool_calls[0].function.name == "get_time" for c in r.choices)
 
 
