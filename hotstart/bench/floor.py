@@ -1,7 +1,10 @@
-"""The floor of `hotstart bench startup`: what no start can beat on this machine, measured in the same rounds.
+"""The floor of `hotstart bench startup`: what no start can beat on this machine, measured in the same
+rounds.
 
 `python -c "import torch"` (the harness's interpreter) and one read of every weight byte; the caller
-evicts first, as for the servers.
+evicts first, as for the servers. Beside the floor, the two imports of a start measured alone (the
+forkserver's preload and the API process's web stack, timed inside a fresh interpreter exactly as the
+start's timeline times them), so a start's timeline can say how much slower each ran under its load.
 """
 
 from __future__ import annotations
@@ -16,6 +19,15 @@ from pathlib import Path
 
 READ_BLOCK = 16 << 20
 READ_THREADS = 4
+
+# what -> the imports a start's phase of that name times (forkserver/server.py's preload; the "web stack
+# imported" phase of server/launch.py)
+IMPORTS_ALONE = {
+    "import_engine": ("forkserver up", "from hotstart.engine import worker"),
+    "import_web": ("web stack imported", "from hotstart.server.api import ApiSettings, build_app\n"
+                   "from hotstart.server.validation import sampling_defaults\n"
+                   "from hotstart.text.tokenizer import Tokenizer"),
+}
 
 
 def import_torch(timeout: float) -> dict:
@@ -34,6 +46,23 @@ def import_torch(timeout: float) -> dict:
     if not rec["ok"]:
         rec["error"] = err.decode(errors="replace").strip()[-300:]
     return rec
+
+
+def import_alone(what: str, timeout: float) -> dict:
+    """IMPORTS_ALONE[WHAT]'s imports in a fresh interpreter, timed inside it (interpreter start excluded,
+    as in the start's timeline); `wall` is the whole process."""
+    code = f"import time\nt = time.time()\n{IMPORTS_ALONE[what][1]}\nprint(time.time() - t)"
+    t = time.perf_counter()
+    try:
+        out = subprocess.run([sys.executable, "-c", code], stdin=subprocess.DEVNULL, capture_output=True,
+                             timeout=timeout, start_new_session=True, text=True, check=False)
+    except subprocess.TimeoutExpired:
+        return {"seconds": None, "ok": False, "error": "timed out"}
+    wall = round(time.perf_counter() - t, 4)
+    try:
+        return {"seconds": round(float(out.stdout.strip().splitlines()[-1]), 4), "wall": wall, "ok": True}
+    except (IndexError, ValueError):
+        return {"seconds": None, "wall": wall, "ok": False, "error": out.stderr.strip()[-300:]}
 
 
 def read_weights(paths: list[Path]) -> dict:

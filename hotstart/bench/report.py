@@ -8,6 +8,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from hotstart.bench.floor import IMPORTS_ALONE
+
 COST_GOAL = 1.15  # the start's own cost (t_first - t_repeat) against the floor: the goal's column
 
 
@@ -18,7 +20,8 @@ def progress_line(rec: dict, rnd: int, runs: int, width: int) -> str:
     if "what" in rec:  # a floor measurement
         extra = f"  {rec['gbps']:.2f} GB/s" if "gbps" in rec else ""
         return (
-            f"{head} {'floor: ' + rec['what']:<{width + 8}} {rec['seconds']:7.2f} s{extra}  resident: {res}"
+            f"{head} {'floor: ' + rec['what']:<{width + 8}} {rec['seconds'] or 0:7.2f} s{extra}"
+            f"  resident: {res}"
         )
     if rec["ok"]:
         what = (
@@ -57,11 +60,14 @@ def answers(data: dict) -> dict:
     return out
 
 
+FLOOR_PARTS = ("import_torch", "read_weights")
+
+
 def _round_floors(data: dict, mode: str) -> dict[int, float]:
     """Round -> max(import, read) of that round (both measured and ok)."""
     per: dict[int, dict] = {}
     for f in data["floor"]:
-        if f["mode"] == mode and f["ok"] and not f["warmup"]:
+        if f["mode"] == mode and f["ok"] and not f["warmup"] and f["what"] in FLOOR_PARTS:
             per.setdefault(f["round"], {})[f["what"]] = f["seconds"]
     return {rnd: max(v.values()) for rnd, v in per.items() if len(v) == 2}
 
@@ -126,6 +132,12 @@ def summarize(data: dict) -> list[dict]:
                         "floor_part": what,
                     }
                 )
+        for what, (phase, _) in IMPORTS_ALONE.items():
+            s = _stats([f["seconds"] for f in data["floor"] if f["mode"] == mode and f["what"] == what
+                        and f["ok"] and not f["warmup"]])
+            if s:
+                rows.append({"mode": mode, "config": f"alone: {phase} ({what})", "n": s["n"], "ok": s["n"],
+                             "health": {}, "first": s, "floor_part": what})
         if floor is not None:
             rows.append({"mode": mode, "config": "floor = max(import, read)", "n": 0, "ok": 0, "health": {},
                          "first": {"median": floor}, "floor_part": "max"})
@@ -230,6 +242,7 @@ def format_table(rows: list[dict], data: dict | None = None) -> str:
             + " |"
         )
     if data is not None:
+        lines += import_table(data)
         lines += ["", "Answers (every run, warm-up included):", ""]
         for label, a in answers(data).items():
             given = "; ".join(f"{text!r} x{n}" for text, n in a["answers"].items()) or "none"
@@ -242,6 +255,39 @@ def format_table(rows: list[dict], data: dict | None = None) -> str:
         lines.append("\nWARNING: processes were left behind: " + ", ".join(
             f"{r['config']} ({r['leftover']})" for r in rows if r.get("leftover")))
     return "\n".join(lines)
+
+
+def phase_seconds(run: dict, prefix: str) -> float | None:
+    """How long the first phase named PREFIX... of RUN's /startup timeline took."""
+    for p in (run.get("timeline") or {}).get("phases") or []:
+        if str(p.get("name", "")).startswith(prefix) and p.get("end_s") is not None:
+            return float(p["end_s"]) - float(p["start_s"])
+    return None
+
+
+def import_table(data: dict) -> list[str]:
+    """Each hotstart config's two imports in its starts (from the timelines) against the same imports
+    alone after the same eviction (the floor rounds): an I/O schedule that starves them shows here."""
+    labels = [c["label"] for c in data["meta"]["configs"] if c["kind"] == "hotstart"]
+    head = " | ".join(f"{p} s | alone s | x alone" for p, _ in IMPORTS_ALONE.values())
+    lines = ["", "Imports, in the start (timeline) vs alone (same eviction, fresh interpreter), medians:", "",
+             f"| mode | config | {head} |", "|" + "---|" * (2 + 3 * len(IMPORTS_ALONE))]
+    any_row = False
+    for mode in data["meta"]["modes"]:
+        alone = {w: _stats([f["seconds"] for f in data["floor"] if f["mode"] == mode and f["what"] == w
+                            and f["ok"] and not f["warmup"]]).get("median") for w in IMPORTS_ALONE}
+        for label in labels:
+            runs = [r for r in data["runs"] if r["mode"] == mode and r["config"] == label and r["ok"]
+                    and not r["warmup"]]
+            cells = []
+            for what, (phase, _) in IMPORTS_ALONE.items():
+                took = [s for s in (phase_seconds(r, phase) for r in runs) if s is not None]
+                m = statistics.median(took) if took else None
+                cells += [_f(m), _f(alone[what]), _f(_ratio(m, alone[what]), "{:.2f}x")]
+            if any(c for c in cells):
+                any_row = True
+                lines.append(f"| {mode} | {label} | " + " | ".join(cells) + " |")
+    return lines if any_row else []
 
 
 def median_run(data: dict, mode: str, label: str) -> dict | None:

@@ -226,9 +226,12 @@ class Bench:
 
     def measure_floor(self, what: str, mode: str, rnd: int, warm: bool) -> dict:
         rec = {"what": what, "mode": mode, "round": rnd, "warmup": warm, **self.evict(mode)}
-        rec.update(
-            floor.import_torch(self.timeout) if what == "import_torch" else floor.read_weights(self.weights)
-        )
+        if what == "import_torch":
+            rec.update(floor.import_torch(self.timeout))
+        elif what == "read_weights":
+            rec.update(floor.read_weights(self.weights))
+        else:
+            rec.update(floor.import_alone(what, self.timeout))
         return rec
 
     def loop(self) -> None:
@@ -258,7 +261,7 @@ class Bench:
                     self.save()
                     print(report.progress_line(rec, rnd, a.runs, width), file=sys.stderr, flush=True)
                 if a.floor:
-                    for what in ("import_torch", "read_weights"):
+                    for what in ("import_torch", "read_weights", *floor.IMPORTS_ALONE):
                         rec = self.measure_floor(what, mode, rnd, warm)
                         self.floor.append(rec)
                         self.save()

@@ -65,9 +65,16 @@ def test_default_model_cold_weights(tmp_path, default_model_dir):
     assert whats["import_torch"]["ok"] and whats["import_torch"]["seconds"] > 0
     assert whats["read_weights"]["bytes"] >= data["meta"]["weights_bytes"] * 0.99
     assert whats["read_weights"]["residency"]["weights"] < 2.0
+    # the start's two imports alone, timed in-process: less than the whole interpreter's run
+    for what in ("import_engine", "import_web"):
+        assert whats[what]["ok"] and 0 < whats[what]["seconds"] < whats[what]["wall"], whats[what]
     assert_groups_gone(data)
     table = (out / "table.md").read_text()
     assert "| weights | hotstart | 1/1 |" in table and "floor: import torch" in table
+    # imports in the start vs alone, from the timeline: "| weights | hotstart | 1.23 | 0.98 | 1.26x | ..."
+    row = next(line for line in table.splitlines() if line.startswith("| weights | hotstart | ")
+               and line.count("x |") == 2)
+    assert all(float(c.rstrip("x")) > 0 for c in row.strip("| ").split(" | ")[2:]), row
     assert (out / "startup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "hotstart" in res.stderr and "health" in res.stderr  # progress lines
 
