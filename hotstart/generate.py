@@ -1,8 +1,10 @@
-"""`hotstart generate`: offline generation through the same EngineCore the server uses."""
+"""`hotstart generate`: offline generation through the same EngineCore the server uses, driven by the
+in-process EngineClient (server/client.py)."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 import time
 
@@ -15,9 +17,9 @@ ENGINE_EXCLUDES = ("max_num_seqs", "max_num_batched_tokens", "seed", "tensor_par
 def run_generate(args: argparse.Namespace) -> int:
     from hotstart.boot.resolve import resolve_model  # noqa: PLC0415
     from hotstart.config import EngineConfig  # noqa: PLC0415
-    from hotstart.engine.core import EngineCore  # noqa: PLC0415 - imports torch
-    from hotstart.messages import EngineRequest, SamplingParams  # noqa: PLC0415
+    from hotstart.messages import SamplingParams  # noqa: PLC0415
     from hotstart.model.files import weight_files  # noqa: PLC0415
+    from hotstart.server.client import make_engine_client  # noqa: PLC0415
     from hotstart.text.tokenizer import IncrementalDetokenizer, Tokenizer  # noqa: PLC0415
 
     if args.temperature < 0 or args.temperature != args.temperature:
@@ -33,34 +35,41 @@ def run_generate(args: argparse.Namespace) -> int:
     cfg = EngineConfig.from_args(args, ENGINE_EXCLUDES, model_path=str(model.path), max_num_seqs=1,
                                  weight_files=tuple(str(p) for p in weight_files(model.path)))
     t_load = time.perf_counter()
-    core = EngineCore.build(cfg)
+    engine = make_engine_client(cfg)  # in process: builds the EngineCore here
     t_load = time.perf_counter() - t_load
-    max_tokens = min(args.max_tokens, core.max_model_len - len(ids))
+    info = engine.info
+    max_tokens = min(args.max_tokens, info.max_model_len - len(ids))
     if max_tokens < 1:
-        raise HotstartError(f"the prompt has {len(ids)} tokens; the model's context is {core.max_model_len}")
+        raise HotstartError(f"the prompt has {len(ids)} tokens; the model's context is {info.max_model_len}")
     params = SamplingParams(max_tokens=max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=max(args.top_k, 0), seed=args.seed)
-    err = core.add_request(EngineRequest("generate", ids, params))
-    if err is not None:
-        raise HotstartError(err.error or "request rejected")
     detok = IncrementalDetokenizer(tok)
-    n_out, first_token_s = 0, None
+    counts = {"tokens": 0, "first_token_s": None}
     t0 = time.perf_counter()
-    while core.has_work():
-        for out in core.step():
-            if first_token_s is None:
-                first_token_s = time.perf_counter() - t0
-            n_out += len(out.new_token_ids)
-            sys.stdout.write(detok.add(out.new_token_ids))
-            sys.stdout.flush()
+
+    async def run() -> None:
+        await engine.start()
+        try:
+            async for out in engine.generate("generate", ids, params):
+                if out.finish_reason == "error":
+                    raise HotstartError(out.error or "request rejected")
+                if counts["first_token_s"] is None:
+                    counts["first_token_s"] = time.perf_counter() - t0
+                counts["tokens"] += len(out.new_token_ids)
+                sys.stdout.write(detok.add(out.new_token_ids))
+                sys.stdout.flush()
+        finally:
+            await engine.close()
+
+    asyncio.run(run())
     sys.stdout.write(detok.flush() + "\n")
     elapsed = time.perf_counter() - t0
+    n_out, first_token_s = counts["tokens"], counts["first_token_s"]
     decode_s = elapsed - (first_token_s or 0.0)
     rate = (n_out - 1) / decode_s if n_out > 1 and decode_s > 0 else 0.0
     print(
         f"[{len(ids)} prompt tokens, {n_out} generated; load {t_load:.2f} s, first token "
-        f"{first_token_s or 0:.3f} s, "
-        f"decode {rate:.1f} tok/s on {core.placement.device} {str(core.placement.dtype)[6:]}]",
+        f"{first_token_s or 0:.3f} s, decode {rate:.1f} tok/s on {info.device} {info.dtype}]",
         file=sys.stderr,
     )
     return 0

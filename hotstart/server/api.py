@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from hotstart.server.engine_client import EngineDeadError
+from hotstart.server.client import EngineDeadError
 from hotstart.server.errors import ApiError, bad_param, describe
 from hotstart.server.gate import Gate, error_response, json_response
 from hotstart.server.generation import Generation, GenerationError, close_shielded, unless_disconnected
@@ -46,7 +46,7 @@ from hotstart.text.tokenizer import ChatTemplateError
 
 if TYPE_CHECKING:
     from hotstart.messages import SamplingParams
-    from hotstart.server.engine_client import EngineClient
+    from hotstart.server.client import EngineClient
     from hotstart.text.tokenizer import Tokenizer
 
 log = logging.getLogger("hotstart")
@@ -82,8 +82,7 @@ class OpenAIServing:
 
     No HTTP plumbing here (build_app registers the bound methods as routes): each endpoint returns a
     Response or raises ApiError, and its pieces (check_model, model_card, prepare_chat, ...) can be
-    called directly. The engine handle needs `ready`, `status`, `info`, `stats`, `timeline` and
-    `generate()` (EngineClient's interface)."""
+    called directly. The engine handle is an EngineClient (server/client.py: in process or over zmq)."""
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, settings: ApiSettings) -> None:
         if not settings.served_model_names:
@@ -249,7 +248,7 @@ class OpenAIServing:
             body["prefetch"] = prefetch_stats() if callable(prefetch_stats) else prefetch_stats
         if download_stats is not None:  # s3:// models: bytes, rate, ETA (boot/remote/)
             body["download"] = download_stats()
-        fast = getattr(self.engine, "fast_path", None)
+        fast = self.engine.fast_path
         if fast is not None:
             body["fast_path"] = msgspec.to_builtins(fast)  # what is built behind READY, per bucket
         return body
@@ -287,7 +286,7 @@ class OpenAIServing:
 
     async def prometheus(self) -> Response:
         self.metrics.update_engine(self.engine.stats, self.engine.ready)
-        self.metrics.update_fast_path(getattr(self.engine, "fast_path", None))
+        self.metrics.update_fast_path(self.engine.fast_path)
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
 

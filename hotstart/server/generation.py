@@ -20,6 +20,7 @@ from hotstart.text.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
     from hotstart.messages import SamplingParams, TokenLogprobs
+    from hotstart.server.client import EngineClient
     from hotstart.server.metrics import Metrics
 
 
@@ -130,7 +131,7 @@ class Generation:
     """Runs one request (n choices) in the engine; `deltas()` yields what each output adds, then every
     choice's finish_reason is set, the counts and logprobs too."""
 
-    def __init__(self, engine: Any, tokenizer: Any, request_id: str, prompt_ids: list[int],
+    def __init__(self, engine: EngineClient, tokenizer: Any, request_id: str, prompt_ids: list[int],
                  params: SamplingParams, stops: list[str], metrics: Metrics, t_arrival: float,
                  on_finish: Callable[[str], None] | None = None) -> None:
         self.engine, self.request_id, self.prompt_ids, self.params = engine, request_id, prompt_ids, params
@@ -189,7 +190,7 @@ class Generation:
                         open_choices -= 1
                         self.metrics.finished.labels(delta.finish_reason).inc()
                         if open_choices and out.finish_reason is None:  # a stop string: stop that choice only
-                            await self._abort_choice(choice.index)
+                            await self.engine.abort(self.request_id, choice.index)
                 if not open_choices:
                     self._finish()
                     return
@@ -198,11 +199,6 @@ class Generation:
             # Shielded: when the client disconnects this runs inside a cancelled scope, and the
             # abort must still reach the engine so the request's KV blocks are freed
             await close_shielded(agen)
-
-    async def _abort_choice(self, index: int) -> None:
-        abort = getattr(self.engine, "abort_choice", None)
-        if abort is not None:
-            await abort(self.request_id, index)
 
     def _finish(self) -> None:
         self.metrics.e2e.observe(time.perf_counter() - self.t_arrival)

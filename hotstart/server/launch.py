@@ -131,9 +131,9 @@ def run_serve(args: argparse.Namespace, cfg: ServeConfig, t0: float, launcher: E
         api_imported = threading.Event()
         if cfg.prefetch:
             prefetcher = _start_prefetch(cfg, model.path, files, cursor, timeline, imports, api_imported)
-        from hotstart.server.engine_client import EngineClient  # noqa: PLC0415
+        from hotstart.server.client import make_engine_client  # noqa: PLC0415
 
-        client = EngineClient(launcher, engine_cfg, timeline, auto_restart=cfg.restart)
+        client = make_engine_client(engine_cfg, timeline, launcher=launcher, auto_restart=cfg.restart)
         with timeline.phase("web stack imported"):
             from hotstart.server.api import ApiSettings, build_app  # noqa: PLC0415
             from hotstart.server.validation import sampling_defaults  # noqa: PLC0415

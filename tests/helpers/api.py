@@ -1,69 +1,110 @@
-"""The HTTP layer's test kit: a FakeEngine stand-in, an in-memory client of the app, request and
-response helpers."""
+"""The HTTP layer's test kit: the real in-process engine client with scripted outputs (ScriptedEngine),
+an in-memory client of the app, request and response helpers."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 
 from hotstart.boot.timeline import Timeline
-from hotstart.messages import EngineReady, EngineStats, TokenOutput
+from hotstart.config import EngineConfig
+from hotstart.messages import TokenOutput
 from hotstart.server.api import ApiSettings, build_app
-from hotstart.server.engine_client import EngineDeadError
+from hotstart.server.client import EngineDeadError
+from hotstart.server.inprocess import InProcessEngineClient
 
 MODEL = "smol"
 TEXT = "The capital of France is Paris. STOP here, then more text follows."
+_CORES: dict = {}
 
 
-class FakeEngine:
-    def __init__(self, eos: int, max_model_len: int = 256, ready: bool = True) -> None:
-        self.eos, self.max_model_len = eos, max_model_len
-        self.ready, self.status, self.info = False, "loading weights", None
-        if ready:
-            self.set_ready()
-        self.stats = EngineStats(num_running=1, num_waiting=2, kv_blocks_used=25, kv_blocks_total=100)
-        self.timeline = Timeline(time.time())
+def engine_core(model_dir, max_model_len: int = 256):
+    """The EngineCore of the model in MODEL_DIR (built once per test session and context length)."""
+    key = (str(model_dir), max_model_len)
+    if key not in _CORES:
+        from hotstart.engine.core import EngineCore
+
+        cfg = EngineConfig(model_path=str(model_dir), max_model_len=max_model_len, max_num_seqs=8)
+        _CORES[key] = EngineCore.build(cfg)
+    return _CORES[key]
+
+
+class ScriptedEngine(InProcessEngineClient):
+    """The real in-process client over a real EngineCore, whose sampled tokens the test scripts.
+
+    The sampler's choice is replaced by `script`'s next id, by default the prompt's ids reversed then eos
+    (after the script: eos); a constrained row samples under its grammar, eos as soon as that allows it
+    (a last sampler transform). Everything else is the engine's own: max_tokens, stop_token_ids, ignore_eos,
+    finish reasons, aborts. Failures are injected here: `die_after` tokens then EngineDeadError,
+    `error_after` tokens then an "error" output; `delay` seconds before each step. `requests` records
+    (prompt ids, params) per request id, `aborted` the whole-request aborts."""
+
+    def __init__(self, core, eos: int, ready: bool = True) -> None:
+        super().__init__(core, Timeline(time.time()))
+        self.eos = eos
         self.requests: dict = {}
         self.aborted: list[str] = []
-        self.script: list[int] | None = None  # ids to generate instead of the reversed prompt
+        self.script: list[int] | None = None
         self.delay = 0.0
-        self.die_after: int | None = None  # EngineDeadError after this many tokens
-        self.error_after: int | None = None  # finish_reason "error" after this many tokens
+        self.die_after: int | None = None
+        self.error_after: int | None = None
+        core.sampler.transforms.append(self._eos_when_allowed)
+        self._sample = core.sampler.sample
+        core.sampler.sample = self._scripted
+        self.start_stepping()
+        if not ready:
+            self.ready, self.status = False, "loading weights"
 
     def set_ready(self) -> None:
         self.ready, self.status = True, "ready"
-        self.info = EngineReady(pid=1, device="cpu", dtype="bfloat16", max_model_len=self.max_model_len,
-                                block_size=16, num_kv_blocks=100, max_num_seqs=8)
+
+    def stop(self, timeout: float = 3.0) -> None:
+        super().stop(timeout)
+        self.core.sampler.transforms.remove(self._eos_when_allowed)
+        del self.core.sampler.sample
+
+    def _eos_when_allowed(self, logits, seqs):
+        for i, seq in enumerate(seqs):
+            if seq.params.grammar is not None and logits[i, self.eos] > float("-inf"):
+                logits[i].fill_(float("-inf"))
+                logits[i, self.eos] = 0.0
+        return logits
+
+    def _scripted(self, logits, seqs):
+        tokens, logprobs = self._sample(logits, seqs)
+        for i, seq in enumerate(seqs):
+            if seq.params.grammar is None:
+                prompt = seq.token_ids[: seq.prompt_len]
+                script = self.script if self.script is not None else [*reversed(prompt), self.eos]
+                k = seq.num_generated
+                tokens[i] = script[k] if k < len(script) else self.eos
+        return tokens, logprobs
+
+    def step(self):
+        if self.delay:
+            time.sleep(self.delay)
+        return super().step()
 
     async def generate(self, request_id, prompt_token_ids, params):
         self.requests[request_id] = (list(prompt_token_ids), params)
-        out = list(self.script) if self.script is not None else [*reversed(prompt_token_ids), self.eos]
-        finished = False
+        outputs = super().generate(request_id, prompt_token_ids, params)
+        n = 0
         try:
-            for n, tok in enumerate(out, 1):
-                await asyncio.sleep(self.delay)
+            async for out in outputs:
+                n += len(out.new_token_ids)
                 if self.die_after is not None and n > self.die_after:
-                    finished = True
                     raise EngineDeadError("engine process exited (code -9)")
                 if self.error_after is not None and n > self.error_after:
-                    finished = True
                     yield TokenOutput(request_id, [], "error", "CUDA error: out of memory")
                     return
-                stop = tok in params.stop_token_ids or (tok == self.eos and not params.ignore_eos)
-                reason = "stop" if stop else "length" if n >= params.max_tokens else None
-                finished = reason is not None
-                yield TokenOutput(request_id, [tok], reason)
-                if finished:
-                    return
-            finished = True
-            yield TokenOutput(request_id, [], "length")
+                yield out
         finally:
-            if not finished:
-                self.aborted.append(request_id)
+            await outputs.aclose()  # before its end: the engine aborts the request
 
-    async def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
+    async def abort(self, request_id: str, index: int | None = None) -> None:
+        if index is None:
+            self.aborted.append(request_id)
+        await super().abort(request_id, index)
 
 
 def make_client(engine, tok, prefetch_stats=None, **kw):

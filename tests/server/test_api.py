@@ -1,8 +1,9 @@
-"""The HTTP layer (hotstart.server.api) against a FakeEngine, with the real default-model tokenizer.
+"""The HTTP layer (hotstart.server.api) over the in-process engine client of the real default model
+(no process), with the real tokenizer.
 
-The FakeEngine is a unit-test stand-in for the engine process only: it yields real token ids from a
-fixed rule (the prompt's ids reversed, then eos; or a scripted id list), honours max_tokens,
-stop_token_ids and ignore_eos, and records aborts. End-to-end tests with the real engine live elsewhere.
+The engine's tokens are scripted (helpers/api.py ScriptedEngine: the prompt's ids reversed, then eos; or a
+scripted id list); max_tokens, stop_token_ids, ignore_eos and aborts are the real engine's. Tests with an
+engine process live in test_server_e2e.py.
 """
 
 from __future__ import annotations
@@ -18,7 +19,16 @@ import time
 
 import httpx
 import pytest
-from helpers.api import MODEL, TEXT, FakeEngine, assert_error, chat_body, make_client, sse_events
+from helpers.api import (
+    MODEL,
+    TEXT,
+    ScriptedEngine,
+    assert_error,
+    chat_body,
+    engine_core,
+    make_client,
+    sse_events,
+)
 
 from hotstart.server.api import ApiSettings, build_app
 from hotstart.server.generation import StopStringFilter
@@ -30,9 +40,16 @@ def tok(default_model_dir) -> Tokenizer:
     return Tokenizer.from_dir(default_model_dir)
 
 
+@pytest.fixture(scope="module")
+def core(default_model_dir):
+    return engine_core(default_model_dir, max_model_len=256)
+
+
 @pytest.fixture
-def engine(tok) -> FakeEngine:
-    return FakeEngine(tok.eos_token_id)
+def engine(core, tok):
+    engine = ScriptedEngine(core, tok.eos_token_id)
+    yield engine
+    engine.stop()
 
 
 @pytest.fixture
@@ -287,8 +304,8 @@ def test_transport_errors(engine, tok):
     assert_error(client.get("/v1/chat/completions"), 405)
 
 
-def test_not_ready_then_ready(tok):
-    engine = FakeEngine(tok.eos_token_id, ready=False)
+def test_not_ready_then_ready(core, tok):
+    engine = ScriptedEngine(core, tok.eos_token_id, ready=False)
     client = make_client(engine, tok)
     r = client.get("/health")
     assert r.status_code == 503 and r.json() == {"status": "loading weights"}
@@ -296,6 +313,7 @@ def test_not_ready_then_ready(tok):
     engine.set_ready()
     assert client.get("/health").json() == {"status": "ready"}
     assert client.post("/v1/chat/completions", json=chat_body()).status_code == 200
+    engine.stop()
 
 
 def test_engine_failures(client, engine):
@@ -361,10 +379,12 @@ def test_models_startup_and_metrics(client, engine):
     assert "first request served" in json.dumps(startup)
     client.app.state.set_startup_seconds(1.25)
     text = client.get("/metrics").text
+    stats = engine.stats
     for line in ('hotstart_http_requests_total{endpoint="/v1/chat/completions",status="200"} 1.0',
                  'hotstart_http_requests_total{endpoint="/v1/models",status="404"} 1.0',
-                 "hotstart_num_requests_running 1.0", "hotstart_num_requests_waiting 2.0",
-                 "hotstart_kv_cache_usage_ratio 0.25", "hotstart_startup_duration_seconds 1.25",
+                 "hotstart_num_requests_running 0.0", "hotstart_num_requests_waiting 0.0",
+                 f"hotstart_kv_cache_usage_ratio {stats.kv_blocks_used / stats.kv_blocks_total}",
+                 "hotstart_startup_duration_seconds 1.25",
                  "hotstart_engine_ready 1.0", 'hotstart_request_finished_total{finish_reason="stop"} 1.0'):
         assert line in text, line
     for name in ("hotstart_prompt_tokens_total", "hotstart_generation_tokens_total",

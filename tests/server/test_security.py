@@ -176,7 +176,7 @@ def test_model_names_never_reach_the_filesystem(default_model_dir):
     from hotstart.text.tokenizer import Tokenizer
 
     class IdleEngine:  # check_model answers before anything reaches the engine
-        ready, phase, info, stats = True, "ready", None, EngineStats()
+        ready, status, info, stats, fast_path = True, "ready", None, EngineStats(), None
         timeline = Timeline(time.time())
 
     settings = ApiSettings(served_model_names=[MODEL])

@@ -16,17 +16,18 @@ import pytest
 from hotstart.boot.timeline import Timeline
 from hotstart.messages import EngineReady, EngineStats
 from hotstart.server.api import ApiSettings, OpenAIServing
-from hotstart.server.engine_client import EngineDeadError
+from hotstart.server.client import EngineDeadError
 from hotstart.server.errors import ApiError
 from hotstart.server.generation import GenerationError
 from hotstart.server.schemas import CompletionRequest
 
 
 class EngineHandle:
-    """The attributes OpenAIServing reads from an engine handle; no generation."""
+    """The attributes OpenAIServing reads from an EngineClient (server/client.py); no generation."""
 
     def __init__(self, ready: bool = False, status: str = "loading weights") -> None:
         self.ready, self.status, self.info = ready, status, None
+        self.fatal = self.fast_path = None
         self.stats = EngineStats()
         self.timeline = Timeline(time.time())
 

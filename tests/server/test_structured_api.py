@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers.api import MODEL, FakeEngine, assert_error, chat_body, make_client, sse_events
+from helpers.api import MODEL, ScriptedEngine, assert_error, chat_body, engine_core, make_client, sse_events
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -23,8 +23,10 @@ def tok(default_model_dir):
 
 
 @pytest.fixture
-def engine(tok) -> FakeEngine:
-    return FakeEngine(tok.eos_token_id, max_model_len=1024)
+def engine(default_model_dir, tok):
+    engine = ScriptedEngine(engine_core(default_model_dir, max_model_len=1024), tok.eos_token_id)
+    yield engine
+    engine.stop()
 
 
 @pytest.fixture

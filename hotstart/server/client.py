@@ -1,0 +1,81 @@
+"""What the HTTP layer and the offline entry points hold of an engine: the EngineClient protocol, and the
+one factory that picks its implementation (torch-free, zmq-free: each implementation is imported by the
+factory only when it is chosen).
+
+  in-process  server/inprocess.py InProcessEngineClient: an EngineCore built in this process and stepped
+              by one thread (continuous batching of concurrent requests); `hotstart generate`, offline
+              Python use, fast tests
+  process     server/engine_client.py ProcessEngineClient: zmq to an engine process started by the
+              launcher (forkserver, zygote or a fresh interpreter), supervised by server/supervisor.py
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Protocol
+
+from hotstart.boot.timeline import Timeline
+
+if TYPE_CHECKING:
+    from hotstart.config import EngineConfig
+    from hotstart.forkserver.client import EngineLauncher
+    from hotstart.messages import EngineReady, EngineStats, FastPathStatus, SamplingParams, TokenOutput
+
+
+class EngineDeadError(Exception):
+    """The engine died (or stopped) while a request was in flight."""
+
+
+class EngineClient(Protocol):
+    """A handle on one engine: requests in, TokenOutputs back, and what /health, /metrics and /startup
+    report. Attributes are read at any time on the event loop's thread."""
+
+    ready: bool
+    """Requests are accepted (generate raises EngineDeadError otherwise)."""
+    status: str
+    """"starting", an engine startup phase, "ready", "restarting" or "failed: ..."."""
+    fatal: str | None
+    """Why the engine is gone for good, or None."""
+    info: EngineReady | None
+    """The engine's facts (max_model_len, max_num_seqs, ...), once ready."""
+    stats: EngineStats
+    """Scheduler and KV-cache counts as of the last step."""
+    fast_path: FastPathStatus | None
+    """What is built behind READY (engine process only; None in process)."""
+    timeline: Timeline
+    """Startup phases, and the marks the HTTP layer adds."""
+
+    async def start(self) -> None:
+        """Begin serving (inside the event loop)."""
+
+    def generate(self, request_id: str, prompt_token_ids: list[int],
+                 params: SamplingParams) -> AsyncIterator[TokenOutput]:
+        """TokenOutputs (token deltas, each naming its choice) until every choice has carried a
+        finish_reason, or one output says "error" / "abort". Raises EngineDeadError if the engine is not
+        ready or dies meanwhile. Closing the iterator early aborts the request in the engine."""
+
+    async def abort(self, request_id: str, index: int | None = None) -> None:
+        """Abort REQUEST_ID in the engine; with INDEX only that choice (it reports nothing more: the
+        API process ended it, e.g. with a stop string)."""
+
+    def begin_shutdown(self) -> None:
+        """Stopping: engine exits from now on are expected, not failures."""
+
+    async def close(self, timeout: float = 3.0) -> None:
+        """Stop the engine; requests in flight end with an "abort" output."""
+
+
+def make_engine_client(cfg: EngineConfig, timeline: Timeline | None = None, *,
+                       launcher: EngineLauncher | None = None, auto_restart: bool = True) -> EngineClient:
+    """The engine of CFG: over zmq in the process LAUNCHER starts (supervised: restarts unless
+    AUTO_RESTART is off), or, without a launcher, an EngineCore built here and now (this imports torch
+    and loads the weights on the caller's thread)."""
+    timeline = timeline or Timeline(time.time())
+    if launcher is not None:
+        from hotstart.server.engine_client import ProcessEngineClient  # noqa: PLC0415 - imports zmq
+
+        return ProcessEngineClient(launcher, cfg, timeline, auto_restart=auto_restart)
+    from hotstart.server.inprocess import InProcessEngineClient  # noqa: PLC0415 - imports torch
+
+    return InProcessEngineClient.build(cfg, timeline)
