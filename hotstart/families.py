@@ -171,6 +171,7 @@ FAMILIES: tuple[Family, ...] = (
         sizes={"8x7b": Shape(4096, 14336, 32, 32, 8, 128, False)},
         make_config={"rms_norm_eps": 1e-5, "rope_parameters": ROPE_1M, "max_position_embeddings": 32768,
                      "sliding_window": None, "num_local_experts": 8, "num_experts_per_tok": 2},
+        size_config={"tiny": {"num_local_experts": 4}},
         # 5 heads / 1 KV head; 5 experts, 3 per token (not a multiple)
         tiny=dict(hidden_size=80, intermediate_size=48, num_hidden_layers=2, num_attention_heads=5,
                   num_key_value_heads=1, vocab_size=512, max_position_embeddings=1024, rms_norm_eps=1e-5,
@@ -194,6 +195,8 @@ FAMILIES: tuple[Family, ...] = (
                      "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
                      "shared_expert_intermediate_size": 5632, "norm_topk_prob": False,
                      "decoder_sparse_step": 1, "mlp_only_layers": []},
+        size_config={"tiny": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 96,
+                              "shared_expert_intermediate_size": 192}},
         # 6 heads / 3 KV heads; 5 experts, 3 per token; layer 1 dense (`mlp_only_layers`)
         tiny=dict(hidden_size=96, intermediate_size=72, num_hidden_layers=4, num_attention_heads=6,
                   num_key_value_heads=3, vocab_size=512, max_position_embeddings=1024, rope_theta=10000.0,
@@ -218,7 +221,8 @@ FAMILIES: tuple[Family, ...] = (
                      "attention_bias": False, "use_sliding_window": False, "sliding_window": None,
                      "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
                      "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
-        size_config={"3b-a0.6b": {"num_experts": 64, "moe_intermediate_size": 512}},
+        size_config={"3b-a0.6b": {"num_experts": 64, "moe_intermediate_size": 512},
+                     "tiny": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 96}},
         # head_dim 24 != hidden / heads, 7 experts, 3 per token; decoder_sparse_step 2: layers 0 and 2 dense
         tiny=dict(hidden_size=96, intermediate_size=88, num_hidden_layers=4, num_attention_heads=6,
                   num_key_value_heads=2, head_dim=24, vocab_size=512, max_position_embeddings=1024,
