@@ -153,7 +153,11 @@ def test_two_ranks_give_the_logits_of_one(tiny_checkpoint, tmp_path):
 
 def test_the_server_answers_with_the_engines_greedy_tokens(tiny_checkpoint, default_model_dir, tmp_path):
     """Qwen2-MoE (shared expert, a dense layer) through `hotstart serve`, its weights packed for oneDNN."""
+    import time
+
     import httpx
+
+    from hotstart.text.tokenizer import Tokenizer
 
     model = Path(shutil.copytree(tiny_checkpoint("qwen2-moe"), tmp_path / "qwen2-moe"))
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -170,13 +174,16 @@ def test_the_server_answers_with_the_engines_greedy_tokens(tiny_checkpoint, defa
     s = Server(str(model), "--device", "cpu", "--dtype", "float32", "--compile", "eager-only",
                "--max-model-len", "256")
     try:
-        for _ in range(2):  # before and after the weights are packed (between steps, after READY)
+        tok = Tokenizer.from_dir(model)
+        for packed in (False, True):  # the plain weights, then the oneDNN-packed ones (experts included)
+            deadline = time.monotonic() + 60
+            while packed and not (fast := httpx.get(s.url + "/startup").json()["fast_path"])["packing"] \
+                    .startswith("packed"):
+                assert time.monotonic() < deadline, fast
+                time.sleep(0.05)
             r = httpx.post(s.url + "/v1/completions", timeout=60, json={
                 "model": model.name, "prompt": ids, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
                 "logprobs": 0}).json()
-            from hotstart.text.tokenizer import Tokenizer
-
-            tok = Tokenizer.from_dir(model)
-            assert r["choices"][0]["logprobs"]["tokens"] == [tok.token_text(i) for i in want]
+            assert r["choices"][0]["logprobs"]["tokens"] == [tok.token_text(i) for i in want], packed
     finally:
         s.stop()
