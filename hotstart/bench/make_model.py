@@ -277,8 +277,14 @@ def run_make_model(args: argparse.Namespace) -> int:
     names = ["model.safetensors"] if len(shards) == 1 else \
         [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
     params = total // itemsize
+    mc = parse_model_config(cfg, Path("config.json"))
+    # a token runs num_experts_per_tok of each MoE layer's num_experts experts
+    idle = len(mc.moe_layers) * (mc.num_experts - mc.num_experts_per_tok) * 3 * mc.hidden_size \
+        * mc.moe_intermediate_size
+    active = f" ({(params - idle) / 1e9:.2f}B active)" if mc.num_experts else ""
     print(f"hotstart make-model: {cfg['architectures'][0]} {args.size or 'custom'}: "
-          f"{params / 1e9:.2f}B params, {total / 1e9:.2f} GB {args.dtype} in {len(shards)} file(s) -> {out}",
+          f"{params / 1e9:.2f}B params{active}, {total / 1e9:.2f} GB {args.dtype} in {len(shards)} file(s) "
+          f"-> {out}",
           file=sys.stderr, flush=True)
     # Written beside OUT and renamed at the end: an interrupted run leaves no half checkpoint behind.
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
