@@ -26,6 +26,22 @@ class Shape(NamedTuple):
     tied: bool
 
 
+class Moe(NamedTuple):
+    """A mixture-of-experts family's facts: checkpoint names and how its config.json is read."""
+
+    block: str  # the layer's MoE module in the checkpoint ("mlp", Mixtral: "block_sparse_moe")
+    gate: str  # each expert's projections: <block>.experts.N.<gate|up|down>.weight
+    up: str
+    down: str
+    intermediate: str  # the config.json field of each expert's width
+    norm_topk: bool | str  # renormalise the top-k weights: a constant, or the config.json field saying it
+    shared_expert: bool = False  # Qwen2-MoE: a sigmoid-gated shared expert beside the routed ones
+    sparse_step: bool = False  # reads `decoder_sparse_step` and `mlp_only_layers` (dense layers among MoE)
+
+
+QWEN_MOE_NAMES = ("mlp", "gate_proj", "up_proj", "down_proj", "moe_intermediate_size", "norm_topk_prob")
+
+
 @dataclass(frozen=True)
 class Family:
     """One family: what differs between families is written here and nowhere else."""
@@ -44,8 +60,10 @@ class Family:
     qk_norm: bool = False  # RMSNorm over each head of q and k, before RoPE
     # How the attention window is read. "none": never (full attention whatever the file says);
     # "always": `sliding_window` (null: full); "opt-in": only with `use_sliding_window: true`, on the layers
-    # `layer_types` names "sliding_attention" (absent: layers from `max_window_layers` on).
+    # `layer_types` names "sliding_attention" (absent: layers from `max_window_layers` on); "opt-in-all":
+    # with `use_sliding_window: true`, taken to hold for every layer (Qwen2/3-MoE; refused past the window).
     sliding_window: str = "none"
+    moe: Moe | None = None  # a mixture of experts (hotstart/model/moe.py); None: dense MLPs
     # -- hotstart make-model --
     sizes: dict[str, Shape] = field(default_factory=dict)
     make_config: dict[str, Any] = field(default_factory=dict)  # config.json fields beside the shape
@@ -142,6 +160,78 @@ FAMILIES: tuple[Family, ...] = (
                   initializer_range=0.2),
         tiny_tp=dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2),
     ),
+    Family(
+        "mixtral", ("MixtralForCausalLM",), "mixtral", "hotstart.model.families.mixtral:MixtralForCausalLM",
+        "supported: Mixtral 8x7B / 8x22B (where `sliding_window` is null or at least the served context)",
+        defaults={"max_position_embeddings": 131072, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+                  "num_local_experts": 8, "num_experts_per_tok": 2},
+        sliding_window="always",
+        moe=Moe("block_sparse_moe", "w1", "w3", "w2", "intermediate_size", norm_topk=True),
+        # Mixtral-8x7B-v0.1: 8 experts of 14336, 2 per token
+        sizes={"8x7b": Shape(4096, 14336, 32, 32, 8, 128, False)},
+        make_config={"rms_norm_eps": 1e-5, "rope_parameters": ROPE_1M, "max_position_embeddings": 32768,
+                     "sliding_window": None, "num_local_experts": 8, "num_experts_per_tok": 2},
+        size_config={"tiny": {"num_local_experts": 4}},
+        # 5 heads / 1 KV head; 5 experts, 3 per token (not a multiple)
+        tiny=dict(hidden_size=80, intermediate_size=48, num_hidden_layers=2, num_attention_heads=5,
+                  num_key_value_heads=1, vocab_size=512, max_position_embeddings=1024, rms_norm_eps=1e-5,
+                  num_local_experts=5, num_experts_per_tok=3, rope_theta=1000000.0, tie_word_embeddings=False,
+                  initializer_range=0.2),
+        tiny_tp=dict(hidden_size=64, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2),
+    ),
+    Family(
+        "qwen2-moe", ("Qwen2MoeForCausalLM",), "qwen2_moe",
+        "hotstart.model.families.qwen2_moe:Qwen2MoeForCausalLM",
+        "supported: Qwen1.5-MoE, Qwen2-MoE (routed and sigmoid-gated shared experts)",
+        defaults={"max_position_embeddings": 32768, "num_key_value_heads": 16, "qkv_bias": True,
+                  "num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+                  "shared_expert_intermediate_size": 5632},
+        qkv_bias="qkv_bias", sliding_window="opt-in-all",
+        moe=Moe(*QWEN_MOE_NAMES, shared_expert=True, sparse_step=True),
+        # Qwen1.5-MoE-A2.7B: 60 experts of 1408, 4 per token, a shared expert of 5632
+        sizes={"14b-a2.7b": Shape(2048, 5632, 24, 16, 16, None, False)},
+        make_config={"rms_norm_eps": 1e-6, "rope_parameters": ROPE_1M, "max_position_embeddings": 8192,
+                     "use_sliding_window": False, "qkv_bias": True, "num_experts": 60,
+                     "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+                     "shared_expert_intermediate_size": 5632, "norm_topk_prob": False,
+                     "decoder_sparse_step": 1, "mlp_only_layers": []},
+        size_config={"tiny": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 96,
+                              "shared_expert_intermediate_size": 192}},
+        # 6 heads / 3 KV heads; 5 experts, 3 per token; layer 1 dense (`mlp_only_layers`)
+        tiny=dict(hidden_size=96, intermediate_size=72, num_hidden_layers=4, num_attention_heads=6,
+                  num_key_value_heads=3, vocab_size=512, max_position_embeddings=1024, rope_theta=10000.0,
+                  rms_norm_eps=1e-6, num_experts=5, num_experts_per_tok=3, moe_intermediate_size=40,
+                  shared_expert_intermediate_size=56, norm_topk_prob=False, mlp_only_layers=[1],
+                  tie_word_embeddings=False, initializer_range=0.2),
+        tiny_tp=dict(hidden_size=64, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                     num_key_value_heads=2, moe_intermediate_size=32, shared_expert_intermediate_size=48),
+    ),
+    Family(
+        "qwen3-moe", ("Qwen3MoeForCausalLM",), "qwen3_moe",
+        "hotstart.model.families.qwen3_moe:Qwen3MoeForCausalLM",
+        "supported: Qwen3-MoE (30B-A3B, 235B-A22B)",
+        defaults={"max_position_embeddings": 32768, "num_key_value_heads": 4, "num_experts": 128,
+                  "num_experts_per_tok": 8, "moe_intermediate_size": 768},
+        qkv_bias="attention_bias", o_bias="attention_bias", qk_norm=True, sliding_window="opt-in-all",
+        moe=Moe(*QWEN_MOE_NAMES, sparse_step=True),
+        # Qwen3-30B-A3B: 128 experts of 768, 8 per token; 3b-a0.6b: that shape scaled to fit a 24 GB host
+        sizes={"30b-a3b": Shape(2048, 6144, 48, 32, 4, 128, False),
+               "3b-a0.6b": Shape(1024, 3072, 28, 16, 4, 128, True)},
+        make_config={"rms_norm_eps": 1e-6, "rope_parameters": ROPE_1M, "max_position_embeddings": 40960,
+                     "attention_bias": False, "use_sliding_window": False, "sliding_window": None,
+                     "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                     "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
+        size_config={"3b-a0.6b": {"num_experts": 64, "moe_intermediate_size": 512},
+                     "tiny": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 96}},
+        # head_dim 24 != hidden / heads, 7 experts, 3 per token; decoder_sparse_step 2: layers 0 and 2 dense
+        tiny=dict(hidden_size=96, intermediate_size=88, num_hidden_layers=4, num_attention_heads=6,
+                  num_key_value_heads=2, head_dim=24, vocab_size=512, max_position_embeddings=1024,
+                  rope_theta=1000000.0, rms_norm_eps=1e-6, num_experts=7, num_experts_per_tok=3,
+                  moe_intermediate_size=36, norm_topk_prob=True, decoder_sparse_step=2,
+                  tie_word_embeddings=False, initializer_range=0.2),
+        tiny_tp=dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=16, moe_intermediate_size=32),
+    ),
 )
 
 # Architectures refused today with "not supported yet": the families the next issue adds.
@@ -149,7 +239,6 @@ PLANNED: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("gemma2 / gemma3", ("Gemma2ForCausalLM", "Gemma3ForCausalLM")),
     ("phi3", ("Phi3ForCausalLM",)),
     ("olmo2", ("Olmo2ForCausalLM",)),
-    ("moe", ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")),
 )
 
 

@@ -55,6 +55,13 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
+    # -- mixture of experts (hotstart/model/moe.py); num_experts 0: every MLP is dense --
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each routed expert's MLP width
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none)
+    norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum to 1
+    moe_layers: tuple[int, ...] = ()  # the layers whose MLP is a mixture of experts (the others: dense)
 
     @property
     def q_size(self) -> int:
@@ -70,7 +77,7 @@ class ModelConfig:
         w = self.sliding_window
         if w is None or w >= tokens:
             return
-        opt_in = families.by_name(self.family).sliding_window == "opt-in"
+        opt_in = families.by_name(self.family).sliding_window.startswith("opt-in")
         how = "'use_sliding_window' is true and " if opt_in else ""
         raise ModelConfigError(
             f"{Path(self.path) / 'config.json'}: {how}field 'sliding_window' ({w}) is shorter than the "
@@ -135,16 +142,51 @@ def _ids(value: Any, src: Path, name: str) -> tuple[int, ...]:
     return tuple(values)
 
 
-def _flag(rule: bool | str, raw: dict, src: Path) -> bool:
-    """A family's bias rule: a constant, or the config.json field that holds it (absent: False)."""
-    return rule if isinstance(rule, bool) else _field(raw, rule, bool, src, default=False)
+def _flag(rule: bool | str, raw: dict, src: Path, defaults: dict | None = None) -> bool:
+    """A family's bias rule: a constant, or the config.json field that holds it (absent: the family's
+    default, else False)."""
+    return rule if isinstance(rule, bool) else _field(raw, rule, bool, src, (defaults or {}).get(rule, False))
+
+
+def _moe(fam: families.Family, raw: dict, src: Path, layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields of FAM's config.json, as its transformers code reads them."""
+    moe = fam.moe
+    if moe is None:
+        return {}
+
+    def get(name: str, kind: type, default: Any = ..., positive: bool = True):
+        return _field(raw, name, kind, src, fam.defaults.get(name, default), positive)
+
+    # transformers maps `num_experts` and `num_local_experts` onto one attribute (attribute_map)
+    experts = get("num_local_experts" if "num_local_experts" in raw else "num_experts", int,
+                  fam.defaults.get("num_experts", fam.defaults.get("num_local_experts", ...)))
+    top_k = get("num_experts_per_tok", int)
+    if top_k > experts:
+        raise ModelConfigError(f"{src}: field 'num_experts_per_tok' ({top_k}) is more than the experts "
+                               f"({experts})")
+    step, dense = 1, []
+    if moe.sparse_step:
+        step = get("decoder_sparse_step", int, 1)
+        dense = raw.get("mlp_only_layers") or []
+        if not isinstance(dense, list) or any(not isinstance(i, int) or isinstance(i, bool) for i in dense):
+            raise ModelConfigError(f"{src}: field 'mlp_only_layers' must be a list of layer indices, "
+                                   f"got {dense!r}")
+    return dict(
+        num_experts=experts, num_experts_per_tok=top_k,
+        moe_intermediate_size=get(moe.intermediate, int),
+        shared_expert_intermediate_size=(get("shared_expert_intermediate_size", int) if moe.shared_expert
+                                         else 0),
+        norm_topk_prob=_flag(moe.norm_topk, raw, src),
+        moe_layers=tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
+    )
 
 
 def _sliding_window(fam: families.Family, raw: dict, src: Path, layers: int) -> int | None:
     """The attention window as FAM's transformers code reads it; None where no layer slides."""
     if fam.sliding_window == "none":
         return None
-    if fam.sliding_window == "opt-in" and not _field(raw, "use_sliding_window", bool, src, default=False):
+    opted = _field(raw, "use_sliding_window", bool, src, default=False)
+    if fam.sliding_window.startswith("opt-in") and not opted:
         return None
     window = raw["sliding_window"] if "sliding_window" in raw else fam.defaults.get("sliding_window")
     if window is None:
@@ -152,7 +194,7 @@ def _sliding_window(fam: families.Family, raw: dict, src: Path, layers: int) -> 
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise ModelConfigError(f"{src}: field 'sliding_window' must be a positive int or null, "
                                f"got {window!r}")
-    if fam.sliding_window == "always":
+    if fam.sliding_window in ("always", "opt-in-all"):
         return window
     types = raw.get("layer_types")
     if types is None:
@@ -235,14 +277,15 @@ def parse_model_config(raw: Any, src: Path, extra_eos: tuple[int, ...] = ()) -> 
         rms_norm_eps=get("rms_norm_eps", float, default=1e-6, positive=True),
         rope=_rope(raw, src),
         tie_word_embeddings=get("tie_word_embeddings", bool, default=False),
-        qkv_bias=_flag(fam.qkv_bias, raw, src),
-        o_bias=_flag(fam.o_bias, raw, src),
-        mlp_bias=_flag(fam.mlp_bias, raw, src),
+        qkv_bias=_flag(fam.qkv_bias, raw, src, fam.defaults),
+        o_bias=_flag(fam.o_bias, raw, src, fam.defaults),
+        mlp_bias=_flag(fam.mlp_bias, raw, src, fam.defaults),
         qk_norm=fam.qk_norm,
         sliding_window=_sliding_window(fam, raw, src, layers),
         bos_token_id=bos[0] if bos else None,
         eos_token_ids=tuple(dict.fromkeys(_ids(raw.get("eos_token_id"), src, "eos_token_id") + extra_eos)),
         torch_dtype=dtype,
+        **_moe(fam, raw, src, layers),
     )
 
 

@@ -64,6 +64,7 @@ def build_config(args: argparse.Namespace, vocab: int, special: dict) -> dict:
     extra = dict(fam.make_config)
     if size == "tiny":
         base = families.MAKE_TINY
+        extra.update(fam.size_config.get(size, {}))  # MoE: a few small experts
     elif size:
         if size not in fam.sizes:
             known = ", ".join([*fam.sizes, "tiny"])
@@ -126,12 +127,34 @@ def tensor_plan(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
         if mc.qk_norm:  # per-head RMSNorm on q and k
             out += [(p + f"self_attn.{n}.weight", (hd,), "ones") for n in ("q_norm", "k_norm")]
         out.append((p + "post_attention_layernorm.weight", (h,), "ones"))
+        if n in mc.moe_layers:
+            out += _experts(p, mc)
+            continue
         linear(p + "mlp.gate_proj", i, h, mc.mlp_bias)
         linear(p + "mlp.up_proj", i, h, mc.mlp_bias)
         linear(p + "mlp.down_proj", h, i, mc.mlp_bias)
     out.append(("model.norm.weight", (h,), "ones"))
     if not mc.tie_word_embeddings:
         out.append(("lm_head.weight", (mc.vocab_size, h), "normal"))
+    return out
+
+
+def _experts(p: str, mc) -> list[tuple[str, tuple[int, ...], str]]:
+    """Layer prefix P's mixture of experts, under its family's checkpoint names (hotstart/families.py):
+    the router [E, hidden], each expert's gate/up [I, hidden] and down [hidden, I], a shared expert."""
+    m, h, i = families.by_name(mc.family).moe, mc.hidden_size, mc.moe_intermediate_size
+    b = f"{p}{m.block}."
+    out = [(b + "gate.weight", (mc.num_experts, h), "normal")]
+    for e in range(mc.num_experts):
+        out += [(f"{b}experts.{e}.{m.gate}.weight", (i, h), "normal"),
+                (f"{b}experts.{e}.{m.up}.weight", (i, h), "normal"),
+                (f"{b}experts.{e}.{m.down}.weight", (h, i), "normal")]
+    s = mc.shared_expert_intermediate_size
+    if s:
+        out += [(b + "shared_expert.gate_proj.weight", (s, h), "normal"),
+                (b + "shared_expert.up_proj.weight", (s, h), "normal"),
+                (b + "shared_expert.down_proj.weight", (h, s), "normal"),
+                (b + "shared_expert_gate.weight", (1, h), "normal")]
     return out
 
 
@@ -242,15 +265,26 @@ def run_make_model(args: argparse.Namespace) -> int:
     itemsize = DTYPES[args.dtype][1]
     total = sum(_numel(s) for _, s, _ in plan) * itemsize
     free = shutil.disk_usage(out.parent).free
+    what = f"--size {args.size} ({args.family})" if args.size else f"{args.family} (custom dimensions)"
     if total * 1.02 + (64 << 20) > free:
-        raise HotstartError(f"{out.parent}: {free / 1e9:.1f} GB free, "
-                            f"the checkpoint needs {total / 1e9:.1f} GB")
+        raise HotstartError(f"{what}: the checkpoint needs {total / 1e9:.1f} GB, "
+                            f"{out.parent} has {free / 1e9:.1f} GB free")
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if total > ram:  # it could never be served here: the weights are mapped and read in full
+        raise HotstartError(f"{what}: the checkpoint needs {total / 1e9:.1f} GB, more than this machine's "
+                            f"memory ({ram / 1e9:.1f} GB)")
     shards = shard(plan, itemsize, shard_limit)
     names = ["model.safetensors"] if len(shards) == 1 else \
         [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
     params = total // itemsize
+    mc = parse_model_config(cfg, Path("config.json"))
+    # a token runs num_experts_per_tok of each MoE layer's num_experts experts
+    idle = len(mc.moe_layers) * (mc.num_experts - mc.num_experts_per_tok) * 3 * mc.hidden_size \
+        * mc.moe_intermediate_size
+    active = f" ({(params - idle) / 1e9:.2f}B active)" if mc.num_experts else ""
     print(f"hotstart make-model: {cfg['architectures'][0]} {args.size or 'custom'}: "
-          f"{params / 1e9:.2f}B params, {total / 1e9:.2f} GB {args.dtype} in {len(shards)} file(s) -> {out}",
+          f"{params / 1e9:.2f}B params{active}, {total / 1e9:.2f} GB {args.dtype} in {len(shards)} file(s) "
+          f"-> {out}",
           file=sys.stderr, flush=True)
     # Written beside OUT and renamed at the end: an interrupted run leaves no half checkpoint behind.
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))

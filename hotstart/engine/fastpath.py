@@ -114,6 +114,8 @@ class FastPath:
             return "off: the packed weights serve faster (auto)"
         if self.runner.peers is not None:
             return "off: tensor parallel (the compiled layer graphs hold no collectives)"
+        if self.model.cfg.num_experts:
+            return "off: mixture of experts (the compiled layer graphs have a dense MLP)"
         if self.core.placement.device.type != "cpu" or self.model.fused:
             return "off: the compiled path is built for CPU engines"
         if shutil.which(cxx) is None:

@@ -76,13 +76,19 @@ def local_config(cfg: ModelConfig, world_size: int) -> ModelConfig:
         raise HotstartError(problem)
     return dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // world_size,
                                num_key_value_heads=cfg.num_key_value_heads // world_size,
-                               intermediate_size=cfg.intermediate_size // world_size)
+                               intermediate_size=cfg.intermediate_size // world_size,
+                               # every expert's MLP is split the same way (model/moe.py)
+                               moe_intermediate_size=cfg.moe_intermediate_size // world_size,
+                               shared_expert_intermediate_size=cfg.shared_expert_intermediate_size
+                               // world_size)
 
 
 def divisibility_error(cfg: ModelConfig, n: int) -> str | None:
     """Why the model cannot be split over N ranks (the numbers named), or None."""
     sizes = (("num_attention_heads", cfg.num_attention_heads),
-             ("num_key_value_heads", cfg.num_key_value_heads), ("intermediate_size", cfg.intermediate_size))
+             ("num_key_value_heads", cfg.num_key_value_heads), ("intermediate_size", cfg.intermediate_size),
+             ("moe_intermediate_size", cfg.moe_intermediate_size),
+             ("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size))
     bad = [f"{name} ({value})" for name, value in sizes if value % n]
     if not bad:
         return None
@@ -139,15 +145,19 @@ def shard(model, tp: TensorParallel) -> None:
     model.tp = tp
     backbone, vocab, hidden = model.model, model.cfg.vocab_size, model.cfg.hidden_size
     for layer in backbone.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        for m in ([attn.qkv_proj] if attn.fused else [attn.q_proj, attn.k_proj, attn.v_proj]) + \
-                 ([mlp.gate_up_proj] if mlp.fused else [mlp.gate_proj, mlp.up_proj]):
+        attn, mlp = layer.self_attn, layer.ffn() if hasattr(layer, "ffn") else layer.mlp
+        experts = hasattr(mlp, "shard")  # a mixture of experts shards its experts itself (model/moe.py)
+        if experts:
+            mlp.shard(tp)
+        dense = [] if experts else [mlp.gate_up_proj] if mlp.fused else [mlp.gate_proj, mlp.up_proj]
+        for m in ([attn.qkv_proj] if attn.fused else [attn.q_proj, attn.k_proj, attn.v_proj]) + dense:
             if isinstance(m, FusedLinear):
                 m.take_rank_rows(tp.rank, tp.world_size)
             else:
                 _column(m, tp)
         attn.o_proj = _row(attn.o_proj, tp)
-        mlp.down_proj = _row(mlp.down_proj, tp)
+        if not experts:
+            mlp.down_proj = _row(mlp.down_proj, tp)
     backbone.embed_tokens = VocabParallelEmbedding(vocab, hidden, tp)
     if model.lm_head is not None:
         start, size, _ = tp.vocab_range(vocab)

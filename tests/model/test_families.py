@@ -50,6 +50,26 @@ def _theirs(folder: str):
     return config, model
 
 
+def _published(shapes: dict[str, tuple], fam: families.Family) -> dict[str, tuple]:
+    """transformers 5's in-memory names -> the checkpoint's: it holds a layer's experts as 3-D parameters
+    (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]) and writes them (save_pretrained), as
+    published checkpoints have them, one tensor per expert and projection, under the family's names."""
+    if fam.moe is None:
+        return shapes
+    out, m = {}, fam.moe
+    for name, shape in shapes.items():
+        layer, sep, rest = name.partition(".mlp.")
+        block = f"{layer}.{m.block}." if rest.startswith(("experts.", "gate.")) else f"{layer}.mlp."
+        if not sep or not rest.startswith("experts."):
+            out[block + rest if sep else name] = shape
+        elif rest == "experts.gate_up_proj":
+            out.update({f"{block}experts.{e}.{p}.weight": (shape[1] // 2, shape[2])
+                        for e in range(shape[0]) for p in (m.gate, m.up)})
+        else:
+            out.update({f"{block}experts.{e}.{m.down}.weight": shape[1:] for e in range(shape[0])})
+    return out
+
+
 # config.json variants each family must read as transformers does: the fields that decide which tensors
 # exist (biases, head_dim), and defaults where a field is absent
 VARIANTS = {"as is": {}, "attention_bias": {"attention_bias": True}, "mlp_bias": {"mlp_bias": True},
@@ -65,7 +85,7 @@ def test_config_read_as_transformers_reads_it(tmp_path, family, variant):
     cfg = load_model_config(folder)
     with torch.device("meta"):
         ours = registry.model_class(cfg)(cfg, fused=False)
-    want = {n: tuple(p.shape) for n, p in theirs.state_dict().items()}
+    want = _published({n: tuple(p.shape) for n, p in theirs.state_dict().items()}, families.by_name(family))
     if cfg.tie_word_embeddings:
         want.pop("lm_head.weight", None)  # tied: not in the checkpoint
     assert {n: tuple(p.shape) for n, p in ours.named_parameters()} == want
