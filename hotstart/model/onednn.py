@@ -1,12 +1,12 @@
-"""Linear weights reordered for oneDNN ("packed"): the eager fast path on CPU.
+"""Linear weights prepacked for oneDNN (its blocked layout): the eager fast path on CPU.
 
 `torch.ops.mkldnn._reorder_linear_weight` lays a [out, in] weight out in oneDNN's blocked format once;
 `_linear_pointwise` then multiplies with it. Measured here (AVX512-BF16 EPYC, one thread): 1.4x
 faster than F.linear at 16 rows and 1.8x at one row in bf16. float32 results equal F.linear's up to
 accumulation order; bf16 results may round differently (oneDNN picks its kernels by host), within bf16's
-own error of the float32 model (tests/test_fastpath.py). A packed weight is a copy (anonymous memory the
-size of the weight), so the
-engine packs only where memory allows, after READY (engine/fastpath.py).
+own error of the float32 model (tests/engine/test_fastpath.py). A prepacked weight is a copy (anonymous
+memory the size of the weight), so the engine prepacks only where memory allows, after READY
+(engine/fastpath/pack.py).
 """
 
 from __future__ import annotations
@@ -29,6 +29,6 @@ def pack(weight: torch.Tensor, rows_hint: int = 16) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear(x: torch.Tensor, prepacked: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     # x: [T, in] -> [T, out]
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x, prepacked, bias, "none", [], "")
