@@ -9,6 +9,8 @@ Times are time.time() seconds everywhere; a span always has `start` and `end`.
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
 
 from hotstart.config import EngineConfig
@@ -134,22 +136,44 @@ class EngineFailed(msgspec.Struct, tag="failed"):
     message: str
 
 
+class FastPathState(enum.StrEnum):
+    """Where a stage of the fast path (packing, compile) or one token bucket stands. The engine moves
+    them only along engine/fastpath/state.py transition(); the API process reads the values as they are
+    (metric labels, /startup), never parses them."""
+
+    PLANNED = "planned"  # will be built, not started yet
+    PACKING = "packing"  # oneDNN prepacking of the linear weights under way (a stage)
+    PACKED = "packed"  # the prepacked weights serve (a stage; final)
+    COMPILING = "compiling"  # the compile worker is building the layer graphs (a stage, or a queued bucket)
+    READY = "ready"  # compiled and loaded (a bucket), every bucket settled (the compile stage); final
+    FAILED = "failed"  # final; the detail says why; serving goes on eagerly
+    OFF = "off"  # not built here; the detail says why; final
+
+
 class BucketState(msgspec.Struct, array_like=True):
-    """One token bucket of the compiled path."""
+    """One token bucket of the layer graphs: [tokens, state, steps, detail] in /startup."""
 
     tokens: int  # steps of up to this many tokens can run on it
-    state: str  # "compiling" (queued or under way) | "ready" | "failed: ..."
+    state: FastPathState  # PLANNED -> COMPILING -> READY | FAILED
     steps: int = 0  # steps it ran
+    detail: str = ""  # FAILED: why; READY: "compiled" or "from the compile cache"
 
 
 class FastPathStatus(msgspec.Struct, tag="fastpath"):
-    """What is built behind READY to serve faster (engine/fastpath.py); sent when it changes."""
+    """What is built behind READY to serve faster (engine/fastpath/); sent when it changes."""
 
-    mode: str  # the --compile setting: auto | eager-only | off
-    packing: str  # "off: why" | "packing" | "packed: N MB"
-    compile: str  # "off: why" | "compiling" | "done" | "failed: why"
+    mode: str  # the --compile setting: auto | eager-only | graphs | off
+    packing: FastPathState  # PLANNED -> PACKING -> PACKED | FAILED, or OFF
+    compile: FastPathState  # PLANNED -> COMPILING -> READY | FAILED, or OFF
+    packing_detail: str = ""  # OFF / FAILED: why; PACKED: the size of the prepacked copies
+    compile_detail: str = ""  # OFF / FAILED: why
     buckets: list[BucketState] = []
     eager_steps: int = 0  # steps that ran the eager forward
+
+    def settled(self) -> bool:
+        """Nothing more will be built (bench and tests wait for this)."""
+        final = (FastPathState.PACKED, FastPathState.READY, FastPathState.FAILED, FastPathState.OFF)
+        return self.packing in final and self.compile in final
 
 
 ToEngine = EngineRequest | AbortRequest | Shutdown

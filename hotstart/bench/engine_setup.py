@@ -54,20 +54,15 @@ def build_core(model: str | None, dtype: str = "auto", fast_path: str = "off", b
 
 
 def _pack(core) -> float:
-    # TODO(lead): when the engine's fast-path package exports one pack_layer() (issue 21, item 5), import
-    # it from there; today engine/distributed.py holds the one the tensor-parallel ranks use.
-    from hotstart.engine.distributed import pack_layer
-    from hotstart.model import packed
+    from hotstart.engine.fastpath import pack_model
+    from hotstart.model import onednn
 
     p = core.placement
-    if not packed.available(p.device, p.dtype):
-        raise HotstartError(f"--fast-path packed: oneDNN packing is not available for {p.dtype} on "
+    if not onednn.available(p.device, p.dtype):
+        raise HotstartError(f"--fast-path packed: oneDNN prepacking is not available for {p.dtype} on "
                             f"{p.device}")
-    model = core.runner.model
     t = time.perf_counter()
-    for layer in range(len(model.model.layers)):
-        pack_layer(model, layer)
-    pack_layer(model, -1)
+    pack_model(core.runner.model)  # the engine's own loop (engine/fastpath/pack.py)
     return time.perf_counter() - t
 
 

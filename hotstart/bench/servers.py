@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 from hotstart.bench import peers
 from hotstart.bench.process import RunFailed, Server, free_port
 from hotstart.errors import HotstartError
+from hotstart.messages import FastPathState
 
 REPO = Path(__file__).resolve().parents[2]
 KINDS = ("hotstart", "vllm", "llamacpp", "transformers", "transformers-cb")
@@ -65,13 +66,13 @@ def parse_variants(values: list[str] | None) -> list[tuple[str, str]]:
 
 
 def fast_path_built(fast: dict | None) -> bool:
-    """hotstart's /startup fast_path is final: packing packed or off, compile done, off or failed
-    ("pending" = planned, not started yet; a missing fast_path = not reported yet)."""
+    """hotstart's /startup fast_path is final: packing and compile each packed / ready, failed or off
+    (FastPathState values; a missing fast_path = not reported yet)."""
     if not fast:
         return False
-    packing, compile_ = str(fast.get("packing", "")), str(fast.get("compile", ""))
-    done = compile_ == "done" or compile_.startswith(("off", "failed"))
-    return packing.startswith(("packed", "off")) and done
+    final = {s.value for s in (FastPathState.PACKED, FastPathState.READY, FastPathState.FAILED,
+                               FastPathState.OFF)}
+    return fast.get("packing") in final and fast.get("compile") in final
 
 
 def hotstart_spec(model: str | None, dtype: str, extra: list[str], max_num_seqs: int | None = None,
@@ -209,7 +210,8 @@ def wait_fast_path(get_json, timeout: float) -> dict:
         time.sleep(1.0)
     else:
         print(f"  fast path still being built after {timeout:.0f} s: {fast}", flush=True)
-    return {"fast_path": {k: fast.get(k) for k in ("mode", "packing", "compile")} if fast else None,
+    keys = ("mode", "packing", "packing_detail", "compile", "compile_detail")
+    return {"fast_path": {k: fast.get(k) for k in keys} if fast else None,
             "fast_path_wait_s": round(time.monotonic() - t0, 1)}
 
 

@@ -26,12 +26,11 @@ import torch
 import torch.distributed as dist
 
 from hotstart.config import EngineConfig, ModelConfig, load_model_config
+from hotstart.engine.fastpath.pack import pack_layer
 from hotstart.engine.model_runner import ModelRunner, StepInputs
 from hotstart.engine.placement import resolve_placement
 from hotstart.errors import HotstartError
 from hotstart.messages import RANK_LEFT, EngineAddresses
-from hotstart.model import packed
-from hotstart.model.layers import Linear
 from hotstart.model.parallel import TensorParallel, divisibility_error
 
 OP_STEP, OP_COPY, OP_PACK, OP_NOOP, OP_SHUTDOWN = range(5)
@@ -236,13 +235,3 @@ def follow(runner: ModelRunner, group: Group) -> None:
             group.leaving = True
             return
 
-
-def pack_layer(model, layer: int) -> None:
-    """This rank's oneDNN-packed copies of LAYER's linear weights (-1: the LM head's), as rank 0's
-    fast path."""
-    if layer < 0:
-        model.lm_head_packed = packed.pack(model.output_weight())
-        return
-    for m in model.model.layers[layer].modules():
-        if isinstance(m, Linear) and m.packed is None:
-            m.packed = packed.pack(m.weight)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hotstart.model import packed
+from hotstart.model import onednn
 from hotstart.model.attention import AttnMetadata
 from hotstart.model.layers import DecoderLayer, Embedding, Linear, RMSNorm, RotaryEmbedding
 from hotstart.model_config import ModelConfig
@@ -29,7 +29,7 @@ class Backbone(nn.Module):
 
 class CausalLM(nn.Module):
     """A family's model: a subclass names its decoder layer, which implements attn_inputs / finish around
-    self_attn.attend (layers.DecoderLayer: the compiled fast path relies on that split)."""
+    self_attn.attend (layers.DecoderLayer: the layer graphs of the fast path rely on that split)."""
 
     layer_class: type[nn.Module] = DecoderLayer
 
@@ -39,7 +39,8 @@ class CausalLM(nn.Module):
         self.model = Backbone(cfg, max_positions or cfg.max_position_embeddings, fused, self.layer_class)
         tied = cfg.tie_word_embeddings
         self.lm_head = None if tied else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.lm_head_packed: torch.Tensor | None = None  # oneDNN layout of output_weight(), set between steps
+        # oneDNN layout of output_weight(), set between steps (engine/fastpath/pack.py)
+        self.lm_head_prepacked: torch.Tensor | None = None
         self.tp = None  # parallel.TensorParallel: this model is one rank's part (set by parallel.shard)
 
     def post_load(self, device: torch.device, dtype: torch.dtype) -> None:
@@ -60,8 +61,8 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         # hidden: [N, hidden] -> logits: [N, vocab] float32 (tensor parallel: gathered on rank 0, else None)
-        if self.lm_head_packed is not None:
-            logits = packed.linear(hidden, self.lm_head_packed, None).float()
+        if self.lm_head_prepacked is not None:
+            logits = onednn.linear(hidden, self.lm_head_prepacked, None).float()
         else:
             logits = (hidden @ self.output_weight().t()).float()
         return logits if self.tp is None else self.tp.gather_logits(logits, self.cfg.vocab_size)

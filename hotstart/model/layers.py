@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hotstart.model import packed
+from hotstart.model import onednn
 from hotstart.model.attention import AttnMetadata, paged_attention
 from hotstart.model_config import ModelConfig, RopeConfig
 
@@ -27,11 +27,11 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self.packed: torch.Tensor | None = None  # oneDNN layout of weight, set between steps (packed.py)
+        self.prepacked: torch.Tensor | None = None  # oneDNN layout of weight, set between steps (onednn.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return packed.linear(x, self.packed, self.bias)
+        if self.prepacked is not None:
+            return onednn.linear(x, self.prepacked, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -210,8 +210,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg, fused)
 
-    # The layer in two pure halves around attention, so a compiled graph can take every op but the paged
-    # attention (model/graphs.py): forward(x) == finish(self_attn.attend(*attn_inputs(x, meta), meta), x).
+    # The layer in two pure halves around attention, so a layer graph can take every op but the paged
+    # attention (engine/fastpath/layer_graphs.py exports these very methods):
+    # forward(x) == finish(self_attn.attend(*attn_inputs(x, meta), meta), x).
     def attn_inputs(self, x: torch.Tensor, meta: AttnMetadata):
         """x: [T, hidden] (the layer's input) -> q: [T, H, D], k, v: [T, KVH, D]."""
         return self.self_attn.project(self.input_layernorm(x), meta.cos, meta.sin)

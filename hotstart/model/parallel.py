@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hotstart.errors import HotstartError
-from hotstart.model import packed
+from hotstart.model import onednn
 from hotstart.model.layers import Embedding, FusedLinear, Linear
 from hotstart.model_config import ModelConfig
 
@@ -107,7 +107,10 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in / world] -> [T, out]
-        y = packed.linear(x, self.packed, None) if self.packed is not None else F.linear(x, self.weight)
+        if self.prepacked is not None:
+            y = onednn.linear(x, self.prepacked, None)
+        else:
+            y = F.linear(x, self.weight)
         self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 

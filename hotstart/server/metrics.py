@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from hotstart.messages import FastPathState
+
 if TYPE_CHECKING:
     from hotstart.messages import EngineStats, FastPathStatus
 
@@ -19,6 +21,9 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Seconds; spans a warm single-token answer on a GPU to a long CPU generation.
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                  40.0, 80.0)
+# The states a layer-graph bucket goes through (engine/fastpath/state.py): the label set of
+# hotstart_compiled_bucket_state.
+BUCKET_STATES = (FastPathState.PLANNED, FastPathState.COMPILING, FastPathState.READY, FastPathState.FAILED)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 
 
@@ -76,13 +81,13 @@ class Metrics:
         self.requests.labels(endpoint, str(status)).inc()
 
     def update_fast_path(self, status: FastPathStatus | None) -> None:
-        """Per bucket of the compiled path: its state (1 on the current one) and the steps it ran."""
+        """Per bucket of the layer graphs: its state (1 on the current one, one label per FastPathState a
+        bucket can be in) and the steps it ran."""
         if status is None:
             return
         for b in status.buckets:
-            state = b.state.split(":")[0]  # "failed: why" -> "failed": a fixed label set
-            for s in ("compiling", "ready", "failed"):
-                self.bucket_state.labels(str(b.tokens), s).set(1 if s == state else 0)
+            for s in BUCKET_STATES:
+                self.bucket_state.labels(str(b.tokens), s.value).set(1 if s is b.state else 0)
             self.bucket_steps.labels(str(b.tokens)).set(b.steps)
         self.eager_steps.set(status.eager_steps)
 

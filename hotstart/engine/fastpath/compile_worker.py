@@ -1,9 +1,10 @@
-"""The compile worker: AOTInductor-compiles the layer graph (model/graphs.py MidGraph) per token bucket.
+"""The compile worker: AOTInductor-compiles the layer graph (layer_graphs.py MidGraph) per token bucket.
 
-`python -m hotstart.engine.compiler JOB_JSON`, started by the engine after READY (engine/fastpath.py).
-It runs at idle CPU priority (SCHED_IDLE: only when the engine leaves a core free) with one thread,
-dies with the engine, and never touches the engine's weights: it compiles against random inputs of the
-right shapes, since weights are graph inputs. Each package is written to the cache folder atomically
+`python -m hotstart.engine.fastpath.compile_worker JOB_JSON`, started by the engine after READY
+(builder.py). It runs at idle CPU priority (SCHED_IDLE: only when the engine leaves a core free) with one
+thread, dies with the engine, and never touches the engine's weights: it exports the family's decoder
+layer (built on the meta device from the model's config.json) against random inputs of the right
+shapes, since weights are graph inputs. Each package is written to the cache folder atomically
 (temp file + rename) and announced as one JSON line on stdout:
   {"tokens": N, "path": P, "start": T, "end": T}      or      {"tokens": N, "error": "..."}
 """
@@ -17,10 +18,6 @@ import sys
 import time
 import traceback
 from pathlib import Path
-
-
-def package_name(tokens: int) -> str:
-    return f"mid-T{tokens}.pt2"
 
 
 def _say(obj: dict) -> None:
@@ -47,14 +44,30 @@ def _idle_priority() -> None:
         )
 
 
-def compile_bucket(spec, tokens: int, dtype, folder: Path) -> Path:
+def layer_template(model_path: str):
+    """One decoder layer of the model's family and shapes, on the meta device (no memory): what the
+    layer graph is exported from; its parameters are replaced by graph inputs."""
+    import torch  # noqa: PLC0415
+
+    from hotstart.model.registry import model_class  # noqa: PLC0415
+    from hotstart.model_config import load_model_config  # noqa: PLC0415
+
+    cfg = load_model_config(model_path)
+    with torch.device("meta"):
+        return cfg, model_class(cfg).layer_class(cfg, False)  # unfused: the CPU layout
+
+
+def compile_bucket(model_path: str, tokens: int, dtype, folder: Path) -> Path:
     import torch  # noqa: PLC0415
     import torch._inductor  # noqa: PLC0415 - only this process ever imports inductor
 
-    from hotstart.model.graphs import MidGraph, example_inputs  # noqa: PLC0415
+    from hotstart.engine.fastpath.cache import package_name  # noqa: PLC0415
+    from hotstart.engine.fastpath.layer_graphs import MidGraph, example_inputs  # noqa: PLC0415
 
+    cfg, layer = layer_template(model_path)
+    graph = MidGraph(layer)
     with torch.no_grad():
-        program = torch.export.export(MidGraph(spec), example_inputs(spec, tokens, dtype))
+        program = torch.export.export(graph, example_inputs(graph, tokens, cfg.q_size, cfg.head_dim, dtype))
     out = folder / package_name(tokens)
     tmp = folder / f".{package_name(tokens)}.{os.getpid()}.tmp.pt2"
     try:
@@ -79,15 +92,12 @@ def main() -> None:
         os.environ["CXX"] = fail
     import torch  # noqa: PLC0415
 
-    from hotstart.model.graphs import LayerSpec  # noqa: PLC0415
-
     torch.set_num_threads(1)
-    spec = LayerSpec(**job["spec"])
     dtype = getattr(torch, job["dtype"])
     for tokens in job["buckets"]:
         start = time.time()
         try:
-            path = compile_bucket(spec, tokens, dtype, folder)
+            path = compile_bucket(job["model"], tokens, dtype, folder)
             _say({"tokens": tokens, "path": str(path), "start": start, "end": time.time()})
         except Exception as e:  # noqa: BLE001 - reported to the engine, which keeps serving eagerly
             last = traceback.format_exception_only(type(e), e)[-1].strip().splitlines()[0][:300]

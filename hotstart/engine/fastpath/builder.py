@@ -1,0 +1,205 @@
+"""FastPath: builds the fast path behind READY, a bounded piece per gap between two steps, and swaps
+each piece in as it is ready. Its stages and buckets move only along state.py's transition()."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from hotstart.engine.fastpath.cache import LayerSpec, cache_folder, package_name, remove_stale
+from hotstart.engine.fastpath.layer_graphs import LayerGraphForward
+from hotstart.engine.fastpath.pack import LM_HEAD, pack_layer
+from hotstart.engine.fastpath.plan import compile_plan, packing_plan
+from hotstart.engine.fastpath.state import Stage
+from hotstart.messages import BucketState, FastPathStatus, Span
+from hotstart.messages import FastPathState as S
+from hotstart.procs import terminate_then_kill
+
+REPORT_EVERY_S = 1.0  # step counts are resent at most this often
+TICK_IDLE_S = 0.01  # work per tick while the engine is idle (busy: one layer's prepacking, ~1 ms)
+
+
+class FastPath:
+    def __init__(self, core, mode: str, buckets: tuple[int, ...], send: Callable[[object], None]):
+        self.core, self.runner, self.mode, self.send = core, core.runner, mode, send
+        self.model = self.runner.model
+        state, why, self._pack_bytes = packing_plan(core, mode)
+        self.packing = Stage("packing", state, why)
+        state, why = compile_plan(core, mode, packing=self.packing.state is S.PLANNED)
+        self.compile = Stage("compile", state, why)
+        planned = sorted(set(buckets)) if self.compile.pending() else []
+        self.buckets = {b: Stage(f"bucket {b}") for b in planned}  # tokens -> its layer graph's state
+        self._todo: list[int] = []  # layers left to prepack, then LM_HEAD
+        self._pack_t0 = 0.0
+        self.forward: LayerGraphForward | None = None  # installed as runner.compiled once compiling
+        self.folder: Path | None = None  # the compile cache's folder of this model's layer graphs
+        self.proc: subprocess.Popen | None = None  # the compile worker
+        self._out = b""  # its stdout not yet split into lines
+        self._last_report = 0.0
+        self._dirty = True
+        self._sent: FastPathStatus | None = None
+
+    # ---- the loop's hook ---------------------------------------------------------------------
+    def packing_left(self) -> bool:
+        return self.packing.pending()
+
+    def busy(self) -> bool:
+        """Work is left (the engine's idle wait should stay short)."""
+        return self.packing.pending() or self.compile.pending()
+
+    def tick(self, idle: bool) -> None:
+        """Called between steps: a bounded amount of work (a few ms), more while IDLE, so a request that
+        arrives meanwhile waits at most that long."""
+        try:
+            if self.packing.state is S.PLANNED:
+                self._start_packing()
+            if self.packing.state is S.PACKING:
+                self._pack(TICK_IDLE_S if idle else 0.0)
+            elif self.compile.state is S.PLANNED:
+                self._start_compiling()
+            if self.proc is not None:
+                self._poll_compiler()
+        except Exception as e:  # noqa: BLE001 - the fast path is optional; serving goes on
+            self._fail(f"{type(e).__name__}: {e}")
+        self._report()
+
+    def close(self) -> None:
+        if self.proc is not None:
+            terminate_then_kill([self.proc], 1.0)
+            self.proc = None
+
+    def _fail(self, why: str) -> None:
+        """Stop building: whatever is not final yet FAILED; what is built keeps serving."""
+        self.close()
+        for stage in (self.packing, self.compile, *self.buckets.values()):
+            if stage.pending():
+                stage.move(S.FAILED, why)
+        print(f"hotstart: engine: fast path stopped ({why}); serving eagerly", file=sys.stderr, flush=True)
+        self._dirty = True
+
+    # ---- prepacking (oneDNN) -----------------------------------------------------------------
+    def _start_packing(self) -> None:
+        self.packing.move(S.PACKING)
+        self._todo = [*range(len(self.model.model.layers)), LM_HEAD]
+        self._pack_t0 = time.time()
+        self._dirty = True
+
+    def _pack(self, budget_s: float) -> None:
+        """Prepack one layer, then more while BUDGET_S lasts."""
+        end = time.perf_counter() + budget_s
+        while self._todo:
+            index = self._todo.pop(0)
+            pack_layer(self.model, index)
+            if self.runner.peers is not None:  # tensor parallel: each rank prepacks its own shards
+                self.runner.peers.send_pack(index)
+            if time.perf_counter() >= end:
+                break
+        if not self._todo:
+            self.packing.move(S.PACKED, f"{self._pack_bytes / 1e6:.0f} MB")
+            self.send(Span("weights prepacked (oneDNN)", self._pack_t0, time.time(), "engine",
+                           self.packing.detail))
+            self._dirty = True
+
+    # ---- layer graphs ------------------------------------------------------------------------
+    def _start_compiling(self) -> None:
+        p = self.core.placement
+        spec = LayerSpec.of(self.core.model_cfg)
+        self.compile.move(S.COMPILING)
+        self.folder = cache_folder(spec, p.dtype)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        remove_stale(self.folder)
+        self.forward = LayerGraphForward(self.model)
+        missing = []
+        for b, bucket in self.buckets.items():
+            bucket.move(S.COMPILING)
+            path = self.folder / package_name(b)
+            if path.is_file():
+                self._load(b, str(path), time.time(), "from the compile cache")
+            else:
+                missing.append(b)
+        self.runner.compiled = self.forward
+        self._dirty = True
+        if not missing:
+            self._settle_compile()
+            return
+        job = json.dumps({"model": self.core.model_cfg.path, "dtype": str(p.dtype).removeprefix("torch."),
+                          "buckets": missing, "folder": str(self.folder)})
+        log = open(self.folder / "compile.log", "ab")  # noqa: SIM115 - the child holds it
+        try:
+            argv = [sys.executable, "-m", "hotstart.engine.fastpath.compile_worker", job]
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log)
+        finally:
+            log.close()
+        os.set_blocking(self.proc.stdout.fileno(), False)
+
+    def _load(self, tokens: int, path: str, start: float, how: str) -> None:
+        t = time.time()
+        try:
+            self.forward.load(tokens, path)
+        except Exception as e:  # noqa: BLE001 - e.g. a package from an incompatible build
+            self.buckets[tokens].move(S.FAILED, f"cannot load: {type(e).__name__}")
+            print(f"hotstart: engine: layer graph for {tokens} tokens failed to load ({e}); "
+                  "that bucket stays eager", file=sys.stderr, flush=True)
+        else:
+            self.buckets[tokens].move(S.READY, how)
+            self.send(Span(f"layer graph ready ({tokens} tokens)", start, time.time(),
+                           "compiler" if how == "compiled" else "engine",
+                           f"{how}, loaded in {time.time() - t:.3f} s"))
+        self._dirty = True
+
+    def _poll_compiler(self) -> None:
+        try:
+            chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
+        except BlockingIOError:
+            chunk = None
+        if chunk:
+            self._out += chunk
+            while b"\n" in self._out:
+                line, self._out = self._out.split(b"\n", 1)
+                self._announced(json.loads(line))
+        if chunk == b"" or self.proc.poll() is not None and chunk is None:
+            code = self.proc.wait()
+            self.proc = None
+            for bucket in self.buckets.values():
+                if bucket.pending():
+                    bucket.move(S.FAILED, f"the compile worker exited (code {code}) before it")
+            self._settle_compile()
+
+    def _settle_compile(self) -> None:
+        """Every bucket is READY or FAILED: the compile stage is READY if any layer graph serves."""
+        if any(b.state is S.READY for b in self.buckets.values()):
+            self.compile.move(S.READY)
+        else:
+            self.compile.move(S.FAILED, "no layer graph built (see the buckets)")
+        self._dirty = True
+
+    def _announced(self, msg: dict) -> None:
+        tokens = msg["tokens"]
+        if "error" in msg:
+            self.buckets[tokens].move(S.FAILED, msg["error"])
+            print(f"hotstart: engine: compiling the layer graph for {tokens} tokens failed ({msg['error']}); "
+                  "that bucket stays eager", file=sys.stderr, flush=True)
+            self._dirty = True
+        else:
+            self._load(tokens, msg["path"], msg["start"], "compiled")
+
+    # ---- reporting ---------------------------------------------------------------------------
+    def status(self) -> FastPathStatus:
+        steps = self.forward.steps if self.forward is not None else {}
+        buckets = [BucketState(b, s.state, steps.get(b, 0), s.detail) for b, s in self.buckets.items()]
+        return FastPathStatus(self.mode, self.packing.state, self.compile.state, self.packing.detail,
+                              self.compile.detail, buckets, self.runner.eager_steps)
+
+    def _report(self) -> None:
+        now = time.time()
+        if self._dirty or now - self._last_report >= REPORT_EVERY_S:
+            status = self.status()
+            if self._dirty or status != self._sent:
+                self.send(status)
+                self._sent = status
+            self._dirty, self._last_report = False, now

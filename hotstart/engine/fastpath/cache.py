@@ -1,0 +1,72 @@
+"""The compile cache: $HOTSTART_HOME/compile/KEY/layers-T{tokens}.pt2, one AOTInductor package per token
+bucket, reused by every later start whose layer graphs would compile the same."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from hotstart import __version__
+from hotstart.model.registry import model_class
+from hotstart.model_config import ModelConfig
+from hotstart.system import cpu_flags, hotstart_home
+
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16", "amx_tile", "fma")
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What a layer graph depends on besides its weights (graph inputs): the compile cache's key, and
+    the decoder-layer class the compile worker exports it from ("module:qualname")."""
+
+    layer: str
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> LayerSpec:
+        layer = model_class(cfg).layer_class
+        return cls(f"{layer.__module__}:{layer.__qualname__}", cfg.hidden_size, cfg.num_attention_heads,
+                   cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps,
+                   cfg.qkv_bias, cfg.o_bias, cfg.mlp_bias, cfg.qk_norm)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def cache_folder(spec: LayerSpec, dtype: torch.dtype) -> Path:
+    """$HOTSTART_HOME/compile/KEY: KEY hashes what a compiled graph depends on (the layer class and shapes,
+    dtype, torch, hotstart, Python, the CPU's instruction sets); not the weights (graph inputs)."""
+    key = {"spec": spec.as_dict(), "dtype": str(dtype), "torch": torch.__version__, "hotstart": __version__,
+           "python": list(sys.version_info[:2]), "isa": sorted(cpu_flags() & set(ISA_FLAGS))}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return hotstart_home() / "compile" / digest
+
+
+def package_name(tokens: int) -> str:
+    return f"layers-T{tokens}.pt2"
+
+
+def remove_stale(folder: Path) -> None:
+    """Temp files of compile workers that died mid-write (named .NAME.PID.tmp.pt2)."""
+    for f in folder.glob(".*.tmp.pt2"):
+        try:
+            os.kill(int(f.name.split(".")[-3]), 0)
+        except (ValueError, ProcessLookupError):
+            f.unlink(missing_ok=True)
+        except PermissionError:
+            pass

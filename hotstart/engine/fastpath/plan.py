@@ -1,0 +1,53 @@
+"""What the fast path will build on this engine, decided once: each stage PLANNED, or OFF with why.
+
+`--compile off` nothing; `eager-only` prepacking; `auto` prepacking where the copies fit, else the
+layer graphs; `graphs` the layer graphs only (CPU, unfused weights, one rank). auto compiles only where
+the weights are not prepacked: over prepacked weights the graphs measured no faster (docs/design.md).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+from hotstart.engine.fastpath.pack import prepacked_bytes
+from hotstart.messages import FastPathState as S
+from hotstart.model import onednn
+from hotstart.system import mem_available
+
+PACK_RAM_FRACTION = 0.5  # prepack only if the copies take at most this share of MemAvailable
+
+
+def packing_plan(core, mode: str) -> tuple[S, str, int]:
+    """(PLANNED or OFF, why OFF, bytes the prepacked copies will take)."""
+    p, model, peers = core.placement, core.runner.model, core.runner.peers
+    if mode in ("off", "graphs"):
+        return S.OFF, f"--compile {mode}", 0
+    if model.fused:
+        return S.OFF, "fused weights (GPU layout)", 0
+    if not onednn.available(p.device, p.dtype):
+        return S.OFF, f"no oneDNN prepacking for {p.device.type} {str(p.dtype)[6:]}", 0
+    need = prepacked_bytes(model) * (peers.world_size if peers is not None else 1)  # ranks share the RAM
+    avail = mem_available()
+    if avail is not None and need > PACK_RAM_FRACTION * avail:
+        return S.OFF, (f"prepacked weights ({need / 1e9:.1f} GB) would take over "
+                       f"{PACK_RAM_FRACTION:.0%} of MemAvailable ({avail / 1e9:.1f} GB)"), 0
+    return S.PLANNED, "", need
+
+
+def compile_plan(core, mode: str, packing: bool) -> tuple[S, str]:
+    """(PLANNED or OFF, why OFF) for the layer graphs."""
+    cxx = os.environ.get("CXX", "g++")
+    if mode not in ("auto", "graphs"):
+        return S.OFF, f"--compile {mode}"
+    if mode == "auto" and packing:
+        return S.OFF, "the prepacked weights serve faster (auto)"
+    if core.runner.peers is not None:
+        return S.OFF, "tensor parallel (the layer graphs hold no collectives)"
+    if core.runner.model.cfg.num_experts:
+        return S.OFF, "mixture of experts (the layer graphs have a dense MLP)"
+    if core.placement.device.type != "cpu" or core.runner.model.fused:
+        return S.OFF, "the layer graphs are built for CPU engines"
+    if shutil.which(cxx) is None:
+        return S.OFF, f"no C++ compiler ({cxx}) found"
+    return S.PLANNED, ""
