@@ -92,9 +92,7 @@ class FastPath:
             self.packing = f"off: no oneDNN packing for {p.device.type} {str(p.dtype)[6:]}"
         else:
             need = sum(m.weight.nbytes for m in self.linears) + self.model.output_weight().nbytes
-            need *= (
-                self.runner.peers.world_size if self.runner.peers is not None else 1
-            )  # ranks share the RAM
+            need *= self.core.executor.world_size  # ranks share the RAM
             avail = mem_available()
             if avail is not None and need > PACK_RAM_FRACTION * avail:
                 self.packing = (f"off: packed weights ({need / 1e9:.1f} GB) would take over "
@@ -112,7 +110,7 @@ class FastPath:
             return f"off: --compile {self.mode}"
         if self.mode == "auto" and packing:
             return "off: the packed weights serve faster (auto)"
-        if self.runner.peers is not None:
+        if self.core.executor.world_size > 1:
             return "off: tensor parallel (the compiled layer graphs hold no collectives)"
         if self.core.placement.device.type != "cpu" or self.model.fused:
             return "off: the compiled path is built for CPU engines"
@@ -163,15 +161,13 @@ class FastPath:
             for m in self.model.model.layers[index].modules():
                 if isinstance(m, Linear) and m.packed is None:
                     m.packed = packed.pack(m.weight)
-            if self.runner.peers is not None:  # tensor parallel: each rank packs its own shards
-                self.runner.peers.send_pack(index)
+            self.core.executor.pack_on_peers(index)  # tensor parallel: each rank packs its own shards
             if time.perf_counter() >= end:
                 break
         if not self._todo:
             if self.model.lm_head_packed is None:
                 self.model.lm_head_packed = packed.pack(self.model.output_weight())
-                if self.runner.peers is not None:
-                    self.runner.peers.send_pack(-1)
+                self.core.executor.pack_on_peers(-1)
             self.packing = f"packed: {self._pack_bytes / 1e6:.0f} MB"
             self.send(Span("weights packed (oneDNN)", self._pack_t0, time.time(), "engine", self.packing))
             self._dirty = True
