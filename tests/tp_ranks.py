@@ -18,6 +18,7 @@ import torch
 from hotstart.config import EngineConfig, load_model_config
 from hotstart.engine import distributed
 from hotstart.engine.core import EngineCore
+from hotstart.engine.executor import Executor, executor_for
 from hotstart.engine.model_runner import ModelRunner, StepInputs
 from hotstart.model.files import weight_files
 from hotstart.model.loader import load_model
@@ -25,25 +26,24 @@ from hotstart.model.loader import load_model
 MAX_LEN, BLOCK = 128, 16
 
 
-def runner_for(case: dict, group: distributed.Group | None) -> ModelRunner:
+def executor_for_case(case: dict, group: distributed.Group | None) -> Executor:
+    """This rank's executor of CASE: its part of the model, as the engine builds it (or fused)."""
     files = tuple(str(p) for p in weight_files(case["model"]))
     if not case["fused"]:  # the engine's own path: EngineCore.build (zero-copy unfused weights on CPU)
         cfg = EngineConfig(model_path=case["model"], weight_files=files, device="cpu", dtype="float32",
                            max_model_len=MAX_LEN, kv_cache_memory=4 << 20)
-        return EngineCore.build(cfg, group=group).runner
+        return EngineCore.build(cfg, group=group).executor
     model = load_model(load_model_config(case["model"]), files, "cpu", torch.float32, MAX_LEN, fused=True,
                        tp=group.tp if group is not None else None)
     runner = ModelRunner(model, 2 * MAX_LEN // BLOCK, BLOCK, torch.device("cpu"), torch.float32)
-    if group is not None and group.rank == 0:
-        runner.peers = group
-    return runner
+    return executor_for(runner, group)
 
 
-def prefill_and_decode(runner: ModelRunner, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def prefill_and_decode(executor: Executor, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits [V] after the prompt, and after one more (greedy) token read back from the KV cache."""
     table = list(range(1, MAX_LEN // BLOCK + 1))
-    first = runner.run(StepInputs(list(ids), [0], [len(ids)], [table], [True]))[0]
-    second = runner.run(StepInputs([int(first.argmax())], [len(ids)], [1], [table], [True]))[0]
+    first = executor.run(StepInputs(list(ids), [0], [len(ids)], [table], [True]))[0]
+    second = executor.run(StepInputs([int(first.argmax())], [len(ids)], [1], [table], [True]))[0]
     return first, second
 
 
@@ -53,12 +53,12 @@ def main() -> None:
     group = distributed.Group.join(rank, world, torch.device("cpu"), init_file)
     results = {}
     for case in json.loads(cases):
-        runner = runner_for(case, group)
+        executor = executor_for_case(case, group)
         if rank == 0:
-            results[case["name"]] = prefill_and_decode(runner, case["ids"])
-            group.send_shutdown()  # ends this case's loop on the other ranks
+            results[case["name"]] = prefill_and_decode(executor, case["ids"])
+            executor.shutdown()  # ends this case's loop on the other ranks
         else:
-            distributed.follow(runner, group)
+            executor.follow()
     if rank == 0:
         torch.save(results, out)
     sys.stdout.flush()

@@ -1,35 +1,35 @@
-"""The engine core: a plain class with step() (schedule -> forward -> sample -> outputs).
+"""The engine core: a plain class whose step() is schedule -> execute -> update.
 
-The process shell (worker.py) and the offline `hotstart generate` both drive it; tests call it directly.
+schedule picks this step's sequences and token counts, execute runs the forward through the executor
+(engine/executor.py: this process, or a tensor-parallel group), update advances the sequences' counters,
+samples and builds the outputs. The process shell (worker.py) and the offline `hotstart generate` both
+drive it; tests call it directly.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from hotstart.config import EngineConfig, ModelConfig, load_model_config
-from hotstart.engine.block_manager import BlockManager, blocks_for
+from hotstart.config import EngineConfig, ModelConfig
+from hotstart.engine.admission import request_error
+from hotstart.engine.block_manager import BlockManager
+from hotstart.engine.build import SpanHook, load
+from hotstart.engine.executor import Executor
 from hotstart.engine.grammar import WAIT_S, Grammars, grammar_finish
-from hotstart.engine.model_runner import ModelRunner, kv_bytes_per_token
-from hotstart.engine.placement import Placement, kv_cache_blocks, max_model_len_for, resolve_placement
+from hotstart.engine.placement import Placement
 from hotstart.engine.sampler import Sampler, prompt_logprobs
 from hotstart.engine.scheduler import Scheduler
 from hotstart.engine.sequence import Sequence
-from hotstart.messages import EngineRequest, EngineStats, SamplingParams, Span, TokenOutput
-from hotstart.model.files import weight_files
+from hotstart.messages import EngineRequest, EngineStats, SamplingParams, TokenLogprobs, TokenOutput
 
 if TYPE_CHECKING:
     from hotstart.engine.distributed import Group
 
-SpanHook = Callable[[Span], None]  # told of each startup phase as it ends
-
 PROMPT_LOGPROBS_CHUNK = 256  # prompt tokens per step of a request with prompt logprobs ([chunk, V] logits)
-MAX_LOGPROBS = 20
 UINT64 = 1 << 64
 
 
@@ -39,10 +39,20 @@ def choice_seed(seed: int, index: int) -> int:
     return s - UINT64 if s >= UINT64 else s
 
 
+@dataclass
+class Scheduled:
+    """One step's work, as schedule() leaves it for execute() and update()."""
+
+    batch: list[tuple[Sequence, int]]  # [B] (sequence, new tokens this step)
+    sampling: list[bool]  # [B] all its tokens computed after this step: it samples
+    prompt_positions: list[range] | None  # [B] prompt tokens whose logprobs it yields; None: none asked
+
+
 class EngineCore:
-    def __init__(self, runner: ModelRunner, cfg: EngineConfig, model_cfg: ModelConfig, num_blocks: int,
+    def __init__(self, executor: Executor, cfg: EngineConfig, model_cfg: ModelConfig, num_blocks: int,
                  max_model_len: int, placement: Placement):
-        self.runner, self.cfg, self.model_cfg = runner, cfg, model_cfg
+        self.executor, self.cfg, self.model_cfg = executor, cfg, model_cfg
+        self.runner = executor.runner  # this process's (rank 0's): the fast path installs into it
         self.max_model_len, self.placement = max_model_len, placement
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
@@ -56,87 +66,16 @@ class EngineCore:
     @classmethod
     def build(cls, cfg: EngineConfig, on_span: SpanHook | None = None,
               on_progress: Callable[[int], None] | None = None, group: Group | None = None) -> EngineCore:
-        """Load config, weights and KV cache; report each phase through on_span. With GROUP (tensor
-        parallel, engine/distributed.py): this rank's part of the model and of the KV cache."""
-        from hotstart.model.loader import load_model  # noqa: PLC0415
-
-        def phase(name: str, start: float, detail: str = "") -> None:
-            if on_span is not None:
-                on_span(Span(name, start, time.time(), "engine", detail))
-
-        t = time.time()
-        model_cfg = load_model_config(cfg.model_path)
-        placement = resolve_placement(cfg, model_cfg)
-        if group is not None:
-            placement = replace(placement, device=group.device)  # cuda:rank
-        max_len = max_model_len_for(cfg, model_cfg)
-        files = [p for p in cfg.weight_files] or [str(p) for p in weight_files(cfg.model_path)]
-        tp = f", rank {group.rank} of {group.world_size}" if group is not None else ""
-        phase(
-            "engine config",
-            t,
-            f"{model_cfg.architecture} on {placement.device} {str(placement.dtype)[6:]}{tp}",
-        )
-
-        t = time.time()
-        model = load_model(
-            model_cfg,
-            files,
-            placement.device,
-            placement.dtype,
-            max_len,
-            on_progress=on_progress,
-            tp=group.tp if group is not None else None,
-        )
-        nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        phase("weights loaded", t, f"{nbytes / 1e6:.0f} MB in {len(files)} file(s){tp}")
-
-        t = time.time()
-        per_token = kv_bytes_per_token(model, placement.dtype)
-        zero_copy = placement.device.type == "cpu" and str(placement.dtype)[6:] == model_cfg.torch_dtype
-        num_blocks, kv_why = kv_cache_blocks(
-            cfg, per_token, max_len, placement.device, nbytes if zero_copy else 0
-        )
-        if group is not None:
-            num_blocks = group.min_over_ranks(num_blocks)  # every rank holds its heads of the same blocks
-        runner = ModelRunner(model, num_blocks, cfg.block_size, placement.device, placement.dtype)
-        if group is not None and group.rank == 0:
-            runner.peers = group
-        phase("KV cache allocated", t, f"{num_blocks} blocks x {cfg.block_size} tokens ({kv_why})")
-        return cls(runner, replace(cfg, weight_files=tuple(files)), model_cfg, num_blocks, max_len, placement)
+        """Load config, weights and KV cache (engine/build.py); report each phase through ON_SPAN. With
+        GROUP (tensor parallel): this rank's part, under the tensor-parallel executor (ranks > 0 then
+        only run its follow())."""
+        return cls(*load(cfg, on_span, on_progress, group))
 
     # --- requests -------------------------------------------------------------------------
-    def _check(self, req: EngineRequest) -> str | None:
-        """Why REQ can never run, or None."""
-        p, n_prompt, vocab = req.params, len(req.prompt_token_ids), self.model_cfg.vocab_size
-        total = n_prompt + p.max_tokens
-        if req.request_id in self.requests:
-            return f"duplicate request id {req.request_id}"
-        if n_prompt == 0:
-            return "the prompt is empty"
-        if total > self.max_model_len:
-            return (
-                f"this model's maximum context length is {self.max_model_len} tokens; the request asks for "
-                f"{total} ({n_prompt} in the prompt + {p.max_tokens} to generate)"
-            )
-        if blocks_for(total, self.blocks.block_size) > self.blocks.num_blocks:
-            held = self.blocks.num_blocks * self.blocks.block_size
-            return f"the request needs {total} tokens of KV cache, the engine holds {held}"
-        if any(t < 0 or t >= vocab for t in req.prompt_token_ids):
-            return f"prompt token ids must be in [0, {vocab})"
-        if not 1 <= p.n <= self.cfg.max_num_seqs:
-            return f"n must be in [1, {self.cfg.max_num_seqs}] (the engine's max_num_seqs), got {p.n}"
-        if any(t < 0 or t >= vocab for t in p.logit_bias):
-            return f"logit_bias token ids must be in [0, {vocab})"
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(p, name)
-            if k is not None and not 0 <= k <= MAX_LOGPROBS:
-                return f"{name} must be in [0, {MAX_LOGPROBS}], got {k}"
-        return None
-
     def add_request(self, req: EngineRequest) -> TokenOutput | None:
         """Queue REQ; returns an error output instead if it can never run."""
-        error = self._check(req)
+        error = request_error(req, self.cfg, self.model_cfg, self.max_model_len, self.blocks,
+                              req.request_id in self.requests)
         if error:
             return TokenOutput(req.request_id, [], "error", error)
         n_prompt = len(req.prompt_token_ids)
@@ -209,10 +148,13 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or (self.grammars is not None and self.grammars.pending)
 
-    def _admit_compiled(self, wait: float) -> list[TokenOutput]:
-        """Schedule the sequences whose grammar is compiled; error outputs for those that failed."""
+    def _admit_compiled(self) -> list[TokenOutput]:
+        """Schedule the sequences whose grammar is compiled; error outputs for those that failed. With
+        nothing else to run, wait a little for one (WAIT_S)."""
+        if self.grammars is None or not self.grammars.pending:
+            return []
         errors = []
-        for seq, error in self.grammars.ready(wait):
+        for seq, error in self.grammars.ready(0.0 if self.scheduler.has_work() else WAIT_S):
             if error is None:
                 self.scheduler.add(seq)
             else:
@@ -230,18 +172,6 @@ class EngineCore:
         )
 
     # --- the step -------------------------------------------------------------------------
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        if not p.ignore_eos and token in self.model_cfg.eos_token_ids:
-            return "stop"
-        if token in p.stop_token_ids:
-            return "stop"
-        if (grammar := grammar_finish(seq)) is not None:
-            return grammar
-        if seq.num_generated >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
     @staticmethod
     def _prompt_positions(seq: Sequence, n: int) -> range:
         """Prompt tokens j (1..P-1) whose logprob this step's chunk of SEQ yields (from the logits at j-1)
@@ -253,59 +183,100 @@ class EngineCore:
 
     @torch.inference_mode()
     def step(self) -> list[TokenOutput]:
-        errors = []
-        if self.grammars is not None and self.grammars.pending:
-            errors = self._admit_compiled(0.0 if self.scheduler.has_work() else WAIT_S)
+        """One iteration: admit the grammar-ready requests, then schedule -> execute -> update. Returns
+        the new tokens of every sampled sequence (and the errors of grammars that failed to compile)."""
+        outputs = self._admit_compiled()
+        scheduled = self._schedule()
+        if scheduled is not None:
+            outputs += self._update(scheduled, self._execute(scheduled))
+        return outputs
+
+    def _schedule(self) -> Scheduled | None:
+        """This step's sequences and token counts (the scheduler), and what each wants back; None: idle."""
         batch = self.scheduler.schedule()
         if not batch:
-            return errors
-        copies = self.blocks.take_copies()
-        if copies:
-            self.runner.copy_blocks(copies)
+            return None
         # a sequence samples once all its tokens are computed (end of prefill, or a decode)
         sampling = [seq.num_computed_tokens + n == seq.num_tokens for seq, n in batch]
-        wanted = None
+        positions = None
         if self._num_prompt_logprobs:
-            wanted = [self._prompt_positions(seq, n) for seq, n in batch]
-        logits = self.runner.forward(batch, sampling, [bool(w) for w in wanted] if wanted else None)
-        if wanted:
-            self._collect_prompt_logprobs(batch, wanted, logits, sum(sampling))
+            positions = [self._prompt_positions(seq, n) for seq, n in batch]
+        return Scheduled(batch, sampling, positions)
+
+    def _execute(self, s: Scheduled) -> torch.Tensor | None:
+        """The block copies the scheduler asked for, then the forward: float32 logits [N, V], the N
+        sampling rows first, then each prompt-logprob entry's [n_i, V] (ModelRunner.forward)."""
+        copies = self.blocks.take_copies()
+        if copies:
+            self.executor.copy_blocks(copies)
+        all_logits = [bool(p) for p in s.prompt_positions] if s.prompt_positions else None
+        return self.executor.execute(s.batch, s.sampling, all_logits)
+
+    def _update(self, s: Scheduled, logits: torch.Tensor | None) -> list[TokenOutput]:
+        """Postprocess the forward: collect prompt logprobs, advance the counters, then sample the
+        sequences whose tokens are all computed (forking n > 1 requests first) and report them."""
+        if s.prompt_positions:
+            self._collect_prompt_logprobs(s.batch, s.prompt_positions, logits, sum(s.sampling))
+        self._advance(s.batch)
+        sampled = [seq for (seq, _), samples in zip(s.batch, s.sampling) if samples]
+        if not sampled:
+            return []
+        logits, sampled = self._fork_at_first_sample(logits[:len(sampled)], sampled)
+        tokens, logprobs = self.sampler.sample(logits, sampled)
+        if self.sampler.num_constrained:
+            self.grammars.consume(sampled, tokens)
+        return [self._append(seq, token, logprobs[i] if logprobs is not None else None)
+                for i, (seq, token) in enumerate(zip(sampled, tokens))]
+
+    def _advance(self, batch: list[tuple[Sequence, int]]) -> None:
+        """num_computed_tokens += the step's tokens; register the blocks this filled in the prefix cache."""
         for seq, n in batch:
             self.prompt_tokens_computed += max(0, min(seq.num_computed_tokens + n, seq.prompt_len)
                                                - seq.num_computed_tokens)
             seq.num_computed_tokens += n
             self.blocks.cache_full_blocks(seq)
-        sampled = [seq for (seq, _), s in zip(batch, sampling) if s]
-        if not sampled:
-            return errors
-        logits = logits[:len(sampled)]
-        if any(seq.forks_pending for seq in sampled):
-            rows, expanded = [], []
-            for i, seq in enumerate(sampled):
-                group = [seq, *self._fork(seq)] if seq.forks_pending else [seq]
-                rows += [i] * len(group)
-                expanded += group
-            logits = logits[torch.tensor(rows, device=logits.device)]
-            sampled = expanded
-        tokens, logprobs = self.sampler.sample(logits, sampled)
-        if self.sampler.num_constrained:
-            self.grammars.consume(sampled, tokens)
-        outputs = errors
-        for i, (seq, token) in enumerate(zip(sampled, tokens)):
-            seq.token_ids.append(token)
-            seq.finish_reason = self._finish_reason(seq, token)
-            new = seq.token_ids[seq.prompt_len + seq.num_sent:]
-            seq.num_sent += len(new)
-            out = TokenOutput(seq.request_id, new, seq.finish_reason, index=seq.index)
-            if logprobs is not None and logprobs[i] is not None:
-                out.logprobs = [logprobs[i]]
-            if seq.prompt_logprobs is not None:  # complete now: sent once, with the first token
-                out.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
-                self._num_prompt_logprobs -= 1
-            outputs.append(out)
-            if seq.finished:
-                self._drop(seq)
-        return outputs
+
+    def _fork_at_first_sample(self, logits: torch.Tensor, sampled: list[Sequence]
+                              ) -> tuple[torch.Tensor, list[Sequence]]:
+        """LOGITS [len(SAMPLED), V] and SAMPLED, with each sequence of pending choices followed by its
+        forks, which sample from copies of its row."""
+        if not any(seq.forks_pending for seq in sampled):
+            return logits, sampled
+        rows, expanded = [], []
+        for i, seq in enumerate(sampled):
+            group = [seq, *self._fork(seq)] if seq.forks_pending else [seq]
+            rows += [i] * len(group)
+            expanded += group
+        return logits[torch.tensor(rows, device=logits.device)], expanded
+
+    def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> TokenOutput:
+        """Append TOKEN to SEQ, decide whether it finished, and build its output (the sequence is dropped
+        once finished)."""
+        seq.token_ids.append(token)
+        seq.finish_reason = self._finish_reason(seq, token)
+        new = seq.token_ids[seq.prompt_len + seq.num_sent:]
+        seq.num_sent += len(new)
+        out = TokenOutput(seq.request_id, new, seq.finish_reason, index=seq.index)
+        if logprobs is not None:
+            out.logprobs = [logprobs]
+        if seq.prompt_logprobs is not None:  # complete now: sent once, with the first token
+            out.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
+            self._num_prompt_logprobs -= 1
+        if seq.finished:
+            self._drop(seq)
+        return out
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if not p.ignore_eos and token in self.model_cfg.eos_token_ids:
+            return "stop"
+        if token in p.stop_token_ids:
+            return "stop"
+        if (grammar := grammar_finish(seq)) is not None:
+            return grammar
+        if seq.num_generated >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
 
     def _collect_prompt_logprobs(self, batch: list[tuple[Sequence, int]], wanted: list[range],
                                  logits: torch.Tensor, offset: int) -> None:

@@ -1,23 +1,24 @@
-"""Tensor-parallel engine groups: rendezvous, rank 0's per-step broadcast, the loop of the other ranks,
-and the watchdog that takes the group down with any of its ranks.
+"""Tensor-parallel engine groups: rendezvous, the control channel's wire format, and the watchdog that
+takes the group down with any of its ranks. engine/executor.py's TensorParallelExecutor drives it.
 
 Every rank is forked from the same warm forkserver. Rank 0 runs the EngineCore (scheduler, sampler,
-zmq to the API process); before each forward it broadcasts the step's inputs (StepInputs: token ids,
-positions as (start, length) per entry, block tables) as tensors: a HEADER-long int64 header (the op,
-the payload's length, the op's sizes), then one int64 payload, both over the control group (gloo, on
-the CPU: ranks > 0 block in it while idle, not in a device kernel). Every rank then builds the same
-attention metadata and runs its part of the model; the activations' collectives (all-reduces of the
-row-parallel layers and the embedding, the logits' gather to rank 0) run on the device group: gloo on
-CPU (the same group), NCCL on CUDA (rank r on cuda:r). Ranks > 0 loop until rank 0 broadcasts
-shutdown. Rendezvous: a file (file:// init) in the engine's private ipc folder, named per generation:
-no fixed ports. Any rank's exit ends the others (pidfd watchdog; a collective that fails does too).
+zmq to the API process); before each forward its executor broadcasts the step's inputs (StepInputs:
+token ids, positions as (start, length) per entry, block tables) as tensors: a HEADER-long int64 header
+(the op, the payload's length, the op's sizes), then one int64 payload, both over the control group
+(gloo, on the CPU: ranks > 0 block in it while idle, not in a device kernel). Every rank then builds the
+same attention metadata and runs its part of the model; the activations' collectives (all-reduces of
+the row-parallel layers and the embedding, the logits' gather to rank 0) run on the device group: gloo
+on CPU (the same group), NCCL on CUDA (rank r on cuda:r). Ranks > 0 loop (executor.follow) until rank 0
+broadcasts shutdown. Rendezvous: a file (file:// init) in the engine's private ipc folder, named per
+generation: no fixed ports. Any rank's exit ends the others (pidfd watchdog; a collective that fails
+does too).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import select
-import sys
 import threading
 import time
 from datetime import timedelta
@@ -26,13 +27,13 @@ import torch
 import torch.distributed as dist
 
 from hotstart.config import EngineConfig, ModelConfig, load_model_config
-from hotstart.engine.fastpath.pack import pack_layer
-from hotstart.engine.model_runner import ModelRunner, StepInputs
+from hotstart.engine.model_runner import StepInputs
 from hotstart.engine.placement import resolve_placement
 from hotstart.errors import HotstartError
 from hotstart.messages import RANK_LEFT, EngineAddresses
 from hotstart.model.parallel import TensorParallel, divisibility_error
 
+log = logging.getLogger("hotstart.engine")
 OP_STEP, OP_COPY, OP_PACK, OP_NOOP, OP_SHUTDOWN = range(5)
 HEADER = 6  # [op, payload length, then the op's sizes]
 TIMEOUT = timedelta(minutes=30)  # one collective's limit; an idle rank 0 sends a no-op every HEARTBEAT_S
@@ -195,7 +196,7 @@ class Group:
     def leave(self, why: str) -> None:
         """Exit RANK_LEFT because the group broke, after LINGER_S: the rank that died is reported first
         (the API process usually stops this one meanwhile)."""
-        print(f"hotstart: engine rank {self.rank}: {why}; leaving", file=sys.stderr, flush=True)
+        log.error("hotstart: engine rank %d: %s; leaving", self.rank, why)
         time.sleep(LINGER_S)
         os._exit(RANK_LEFT)
 
@@ -219,19 +220,4 @@ def start(cfg: EngineConfig, addresses: EngineAddresses, rank: int, world_size: 
         raise HotstartError(problem)
     return Group.join(rank, world_size, device, rendezvous_file(addresses))
 
-
-def follow(runner: ModelRunner, group: Group) -> None:
-    """Ranks > 0: run what rank 0 broadcasts until it broadcasts shutdown (a broken group raises)."""
-    while True:
-        head, payload = group.receive()
-        op = head[0]
-        if op == OP_STEP:
-            runner.run(decode_step(head, payload))
-        elif op == OP_COPY:
-            runner.copy_blocks(list(zip(payload[::2], payload[1::2])))
-        elif op == OP_PACK:
-            pack_layer(runner.model, head[2])
-        elif op == OP_SHUTDOWN:
-            group.leaving = True
-            return
 

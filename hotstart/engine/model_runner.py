@@ -1,7 +1,7 @@
 """Owns the model and the paged KV cache; turns a scheduled batch into one forward pass.
 
-A step's inputs are plain lists (StepInputs): with tensor parallelism rank 0 sends them to the other
-ranks (engine/distributed.py), and every rank builds the same metadata from them.
+A step's inputs are plain lists (StepInputs): with tensor parallelism rank 0's executor sends them to the
+other ranks (engine/executor.py), and every rank builds the same metadata from them.
 """
 
 from __future__ import annotations
@@ -61,9 +61,6 @@ class ModelRunner:
         self._zeroed = 1  # blocks below this are zeroed (or hold K/V written since)
         self.compiled = None  # engine/compiled.py CompiledForward, installed between steps by the fast path
         self.eager_steps = 0
-        self.peers = (
-            None  # tensor parallel rank 0: the engine/distributed.py Group each step is sent to first
-        )
         for i, layer in enumerate(model.model.layers):
             layer.self_attn.k_cache = self.kv_cache[i, 0]
             layer.self_attn.v_cache = self.kv_cache[i, 1]
@@ -146,8 +143,6 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, s: StepInputs) -> torch.Tensor | None:
         """forward() on plain inputs (tensor parallel ranks > 0 get them from rank 0; their logits: None)."""
-        if self.peers is not None:
-            self.peers.send_step(s)
         want_logits, all_logits = s.want_logits, s.all_logits
         self._zero_up_to(max((max(t) for t in s.tables if t), default=0))
         input_ids, positions, meta, last = self._metadata(s)
@@ -169,15 +164,12 @@ class ModelRunner:
     @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: the K/V of block src into block dst, in every layer, for each (src, dst)."""
-        if self.peers is not None:
-            self.peers.send_copies(pairs)
         self._zero_up_to(max(max(pair) for pair in pairs))
         bs = self.block_size
         offsets = torch.arange(bs)
         src = (torch.tensor([s for s, _ in pairs])[:, None] * bs + offsets).flatten().to(self.device)
         dst = (torch.tensor([d for _, d in pairs])[:, None] * bs + offsets).flatten().to(self.device)
         self.kv_cache[:, :, :, dst] = self.kv_cache[:, :, :, src]  # kv_cache: [layers, 2, KVH, slots, D]
-
 
     def _zero_up_to(self, block: int) -> None:
         """Zero the blocks up to BLOCK never used before (uninitialised memory may hold NaN bit patterns;

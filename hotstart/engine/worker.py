@@ -3,12 +3,14 @@
 It runs forked from the warm forkserver (hotstart.forkserver.server) or spawned directly
 (`python -m hotstart.engine.worker CONFIG_JSON IN_ADDR OUT_ADDR [RANK WORLD_SIZE]`) when pre-spawn is
 off. A message it cannot decode is logged and, when it names a request, answered with an error for it.
-With tensor parallelism (WORLD_SIZE > 1) rank 0 is that engine and broadcasts each step to the other
-ranks, which run engine/distributed.py's loop and talk to nobody else.
+With tensor parallelism (WORLD_SIZE > 1) every rank joins the group first and builds its part under a
+TensorParallelExecutor (engine/executor.py): rank 0 is that engine and its executor broadcasts each step
+to the other ranks, which run the executor's follow() loop and talk to nobody else.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -18,13 +20,13 @@ import msgspec
 import torch  # noqa: F401 - imported here so the forkserver preloads it
 import zmq
 
+from hotstart import logs
 from hotstart.config import EngineConfig
 from hotstart.engine import distributed
 from hotstart.engine.core import EngineCore
 from hotstart.engine.fastpath import FastPath
 from hotstart.errors import HotstartError
 from hotstart.messages import (
-    RANK_LEFT,
     AbortRequest,
     EngineAddresses,
     EngineFailed,
@@ -39,6 +41,7 @@ from hotstart.messages import (
 )
 from hotstart.model.cursor import LoadCursor
 
+log = logging.getLogger("hotstart.engine")
 IDLE_POLL_MS = 200
 RECONNECT_MS = 2
 FAST_PATH_POLL_MS = 20  # idle wait while the fast path is still being built
@@ -59,8 +62,7 @@ def _undecodable(raw: bytes, err: Exception) -> TokenOutput | None:
     except msgspec.DecodeError:
         loose = None
     rid = loose.get("request_id") if isinstance(loose, dict) else None
-    print(f"hotstart: engine: malformed message ({err}){f' for request {rid}' if rid else ''}",
-          file=sys.stderr, flush=True)
+    log.error("hotstart: engine: malformed message (%s)%s", err, f" for request {rid}" if rid else "")
     if isinstance(rid, str):
         return TokenOutput(rid, [], "error", f"the engine could not decode this request: {err}")
     return None
@@ -91,21 +93,16 @@ def run_rank(cfg: EngineConfig, addresses: EngineAddresses, rank: int, world_siz
         group = _join(cfg, addresses, rank, world_size)
         core = EngineCore.build(cfg, on_progress=cursor.advance if cursor else None, group=group)
     except BaseException as e:  # noqa: BLE001 - reported, then the group goes down with this rank
-        print(f"hotstart: engine rank {rank}: {_fatal_message(e)}", file=sys.stderr, flush=True)
+        log.error("hotstart: engine rank %d: %s", rank, _fatal_message(e))
         return 1
     finally:
         if cursor is not None:
             cursor.close()
-    try:
-        distributed.follow(core.runner, group)
-    except RuntimeError as e:  # a collective failed: rank 0 (or another rank) is gone
-        if not group.leaving:
-            group.leave(f"the tensor-parallel group broke ({e})")
-        return RANK_LEFT
-    return 0
+    return core.executor.follow()
 
 
 def run_engine(cfg: EngineConfig, addresses: EngineAddresses, rank: int = 0, world_size: int = 1) -> int:
+    logs.setup("engine")
     if rank > 0:
         return run_rank(cfg, addresses, rank, world_size)
     ctx = zmq.Context(io_threads=1)
@@ -173,16 +170,13 @@ def run_engine(cfg: EngineConfig, addresses: EngineAddresses, rank: int = 0, wor
             try:
                 outputs = core.step()
             except RuntimeError as e:
-                if group is None:
-                    raise
-                group.leave(f"the tensor-parallel group broke ({e})")
+                core.executor.step_failed(e)
             send(StepOutputs(outputs, core.stats()))
-        elif group is not None:
-            group.heartbeat()
+        else:
+            core.executor.heartbeat()
         if running:
             fast.tick(idle=not core.has_work())  # between two steps: swaps in what is ready
-    if group is not None:
-        group.send_shutdown()
+    core.executor.shutdown()
     fast.close()
     push.close(linger=1000)
     pull.close(linger=0)

@@ -19,7 +19,7 @@ import psutil
 import pytest
 import torch
 from helpers.cli import assert_fails_with, hotstart
-from tp_ranks import prefill_and_decode, runner_for
+from tp_ranks import executor_for_case, prefill_and_decode
 from util import Server
 
 from hotstart.config import EngineConfig, load_model_config
@@ -77,7 +77,7 @@ def test_two_ranks_give_the_logits_of_one(tiny_checkpoint, tmp_path):
             p.kill()
     got = torch.load(out)
     for case in cases:
-        want = prefill_and_decode(runner_for(case, None), case["ids"])
+        want = prefill_and_decode(executor_for_case(case, None), case["ids"])
         for step, (ours, ref) in enumerate(zip(got[case["name"]], want)):
             assert ours.shape == ref.shape, (case["name"], step)
             assert torch.allclose(ours, ref, atol=LOGIT_ATOL, rtol=0), (

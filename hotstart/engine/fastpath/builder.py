@@ -4,6 +4,7 @@ each piece in as it is ready. Its stages and buckets move only along state.py's 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -19,6 +20,8 @@ from hotstart.engine.fastpath.state import Stage
 from hotstart.messages import BucketState, FastPathStatus, Span
 from hotstart.messages import FastPathState as S
 from hotstart.procs import terminate_then_kill
+
+log = logging.getLogger("hotstart.engine")
 
 REPORT_EVERY_S = 1.0  # step counts are resent at most this often
 TICK_IDLE_S = 0.01  # work per tick while the engine is idle (busy: one layer's prepacking, ~1 ms)
@@ -79,7 +82,7 @@ class FastPath:
         for stage in (self.packing, self.compile, *self.buckets.values()):
             if stage.pending():
                 stage.move(S.FAILED, why)
-        print(f"hotstart: engine: fast path stopped ({why}); serving eagerly", file=sys.stderr, flush=True)
+        log.error(f"hotstart: engine: fast path stopped ({why}); serving eagerly")
         self._dirty = True
 
     # ---- prepacking (oneDNN) -----------------------------------------------------------------
@@ -95,8 +98,7 @@ class FastPath:
         while self._todo:
             index = self._todo.pop(0)
             pack_layer(self.model, index)
-            if self.runner.peers is not None:  # tensor parallel: each rank prepacks its own shards
-                self.runner.peers.send_pack(index)
+            self.core.executor.pack_on_peers(index)  # tensor parallel: each rank prepacks its own shards
             if time.perf_counter() >= end:
                 break
         if not self._todo:
@@ -143,8 +145,8 @@ class FastPath:
             self.forward.load(tokens, path)
         except Exception as e:  # noqa: BLE001 - e.g. a package from an incompatible build
             self.buckets[tokens].move(S.FAILED, f"cannot load: {type(e).__name__}")
-            print(f"hotstart: engine: layer graph for {tokens} tokens failed to load ({e}); "
-                  "that bucket stays eager", file=sys.stderr, flush=True)
+            log.error(f"hotstart: engine: layer graph for {tokens} tokens failed to load ({e}); "
+                      "that bucket stays eager")
         else:
             self.buckets[tokens].move(S.READY, how)
             self.send(Span(f"layer graph ready ({tokens} tokens)", start, time.time(),
@@ -182,8 +184,8 @@ class FastPath:
         tokens = msg["tokens"]
         if "error" in msg:
             self.buckets[tokens].move(S.FAILED, msg["error"])
-            print(f"hotstart: engine: compiling the layer graph for {tokens} tokens failed ({msg['error']}); "
-                  "that bucket stays eager", file=sys.stderr, flush=True)
+            log.error(f"hotstart: engine: compiling the layer graph for {tokens} tokens failed "
+                      f"({msg['error']}); that bucket stays eager")
             self._dirty = True
         else:
             self._load(tokens, msg["path"], msg["start"], "compiled")

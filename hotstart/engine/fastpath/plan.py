@@ -20,14 +20,14 @@ PACK_RAM_FRACTION = 0.5  # prepack only if the copies take at most this share of
 
 def packing_plan(core, mode: str) -> tuple[S, str, int]:
     """(PLANNED or OFF, why OFF, bytes the prepacked copies will take)."""
-    p, model, peers = core.placement, core.runner.model, core.runner.peers
+    p, model, ranks = core.placement, core.runner.model, core.executor.world_size
     if mode in ("off", "graphs"):
         return S.OFF, f"--compile {mode}", 0
     if model.fused:
         return S.OFF, "fused weights (GPU layout)", 0
     if not onednn.available(p.device, p.dtype):
         return S.OFF, f"no oneDNN prepacking for {p.device.type} {str(p.dtype)[6:]}", 0
-    need = prepacked_bytes(model) * (peers.world_size if peers is not None else 1)  # ranks share the RAM
+    need = prepacked_bytes(model) * ranks  # ranks share the RAM
     avail = mem_available()
     if avail is not None and need > PACK_RAM_FRACTION * avail:
         return S.OFF, (f"prepacked weights ({need / 1e9:.1f} GB) would take over "
@@ -42,7 +42,7 @@ def compile_plan(core, mode: str, packing: bool) -> tuple[S, str]:
         return S.OFF, f"--compile {mode}"
     if mode == "auto" and packing:
         return S.OFF, "the prepacked weights serve faster (auto)"
-    if core.runner.peers is not None:
+    if core.executor.world_size > 1:
         return S.OFF, "tensor parallel (the layer graphs hold no collectives)"
     if core.runner.model.cfg.num_experts:
         return S.OFF, "mixture of experts (the layer graphs have a dense MLP)"
