@@ -72,7 +72,7 @@ def test_tiny_checkpoint_loads_everywhere(tmp_path, family, default_model_dir):
     state = model.state_dict()
     for name, shape in seen.items():
         assert list(state[name].shape) == shape, name
-    w = state["model.layers.0.mlp.up_proj.weight"].float()
+    w = state["model.layers.0.mlp.down_proj.weight"].float()  # in every family (Phi-3 fuses gate/up)
     assert 0.015 < w.std().item() < 0.025 and abs(w.mean().item()) < 0.002
     assert torch.equal(state["model.norm.weight"].float(), torch.ones(128))
     with safe_open(str(shards[0]), "pt") as f:  # the reference reader agrees with our header
