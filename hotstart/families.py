@@ -10,6 +10,7 @@ here and one small file in hotstart/model/families/.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -57,7 +58,13 @@ class Family:
     qkv_bias: bool | str = False
     o_bias: bool | str = False
     mlp_bias: bool | str = False
-    qk_norm: bool = False  # RMSNorm over each head of q and k, before RoPE
+    qk_norm: bool | str = False  # True: RMSNorm over each head of q and k, before RoPE; "full": over the
+    # whole q and k projections (OLMo 2: its own module; ModelConfig.qk_norm says per head only)
+    post_norm: bool = False  # OLMo 2: norms after attention and after the MLP, none before them
+    fused_checkpoint: bool = False  # Phi-3: the checkpoint ships qkv_proj and gate_up_proj fused
+    partial_rotary: bool = False  # its code reads `partial_rotary_factor` (others refuse one below 1)
+    rope_aliases: dict[str, str] = field(default_factory=dict)  # rope type in config.json -> as read
+    tensor_parallel: str = ""  # not empty: why --tensor-parallel-size above 1 is refused
     # How the attention window is read. "none": never (full attention whatever the file says);
     # "always": `sliding_window` (null: full); "opt-in": only with `use_sliding_window: true`, on the layers
     # `layer_types` names "sliding_attention" (absent: layers from `max_window_layers` on); "opt-in-all":
@@ -82,7 +89,7 @@ MAKE_TINY = Shape(128, 384, 2, 4, 2, 32, True)
 FAMILIES: tuple[Family, ...] = (
     Family(
         "llama", ("LlamaForCausalLM",), "llama", "hotstart.model.families.llama:LlamaForCausalLM",
-        "supported: Llama 2 / 3.x, SmolLM2 (RoPE default, linear, llama3, dynamic)",
+        "supported: Llama 2 / 3.x, SmolLM2 (RoPE default, linear, llama3, dynamic, yarn)",
         defaults={"max_position_embeddings": 2048},
         qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias="mlp_bias",
         # Llama-3.2-1B / 3B, Llama-3-8B (which has no RoPE scaling and an 8k context: Llama-3.1 added them)
@@ -234,11 +241,76 @@ FAMILIES: tuple[Family, ...] = (
     ),
 )
 
+# Phi-3.5-mini-instruct's and Phi-4-mini-instruct's LongRoPE factors (rotary dims / 2 = 48 each), rounded
+PHI35_LONG = [1.08, 1.11, 1.14, 1.34, 1.59, 1.6, 1.62, 2.62, 3.23, 3.23, 4.79, 7.4, 7.7, 9.09, 12.2, 17.67,
+              24.46, 28.57, 30.42, 30.84, 32.59, 32.93, 42.32, 44.96, 50.34, 50.45, 57.55, 57.93, 58.21,
+              60.14, 62.61, 62.62, 62.71, 63.14, 63.14, 63.77, 63.93, 63.96, 63.97, 64.03, 64.07, 64.08,
+              64.12, 64.41, 64.48, 64.51, 64.53, 64.84]
+PHI35_SHORT = [1.0, 1.02, 1.03, 1.03, 1.05, 1.05, 1.05, 1.05, 1.05, 1.07, 1.1, 1.11, 1.16, 1.16, 1.17, 1.29,
+               1.34, 1.68, 1.79, 1.82, 1.85, 1.88, 1.91, 1.94, 1.99, 2.02, 2.02, 2.02, 2.02, 2.02, 2.02, 2.03,
+               2.03, 2.03, 2.03, 2.03, 2.03, 2.03, 2.03, 2.03, 2.08, 2.09, 2.19, 2.22, 2.59, 2.73, 2.75, 2.84]
+PHI4_LONG = [1.0, 1.1183, 1.2506, 1.3986, 1.5641, 1.7492, 1.9561, 2.1876, 2.4464, 2.7359, 3.0596, 3.4216,
+             3.8265, 4.2792, 4.7855, 5.3517, 5.985, 6.6931, 7.485, 8.3707, 9.3611, 10.4687, 11.7074, 13.0926,
+             14.6417, 16.3742, 18.3116, 20.4782, 22.9012, 25.6109, 28.6412, 32.03, 32.1, 32.13, 32.23, 32.6,
+             32.61, 32.64, 32.66, 32.7, 32.71, 32.93, 32.97, 33.28, 33.49, 33.5, 44.16, 47.77]
+
+PHI_FAMILIES: tuple[Family, ...] = (
+    Family(
+        "phi3", ("Phi3ForCausalLM",), "phi3", "hotstart.model.families.phi3:Phi3ForCausalLM",
+        "supported: Phi-3, Phi-3.5, Phi-4-mini (fused qkv / gate_up, LongRoPE, partial rotary; "
+        "a `sliding_window` shorter than the context is refused)",
+        defaults={"max_position_embeddings": 4096, "original_max_position_embeddings": 4096,
+                  "rms_norm_eps": 1e-5},
+        sliding_window="always", fused_checkpoint=True, partial_rotary=True,
+        # transformers' Phi3Config reads the old names "su" and "yarn" as longrope
+        rope_aliases={"su": "longrope", "yarn": "longrope"},
+        # Phi-3.5-mini-instruct (3.8B) and Phi-4-mini-instruct
+        sizes={"mini": Shape(3072, 8192, 32, 32, 32, None, False),
+               "phi4-mini": Shape(3072, 8192, 32, 24, 8, None, True)},
+        make_config={"rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 131072,
+                     "original_max_position_embeddings": 4096, "sliding_window": 262144,
+                     "attention_bias": False, "rope_scaling": {"type": "longrope", "long_factor": PHI35_LONG,
+                                                               "short_factor": PHI35_SHORT}},
+        size_config={"phi4-mini": {"partial_rotary_factor": 0.75, "rope_scaling": {
+            "type": "longrope", "long_factor": PHI4_LONG, "short_factor": [1.0] * 48}},
+            "tiny": {"rope_scaling": None, "max_position_embeddings": 4096}},  # 48 factors fit no tiny head
+        # 6 heads / 2 KV heads of 16, 12 of them rotary; LongRoPE with an original context of 6: prompts
+        # of the reference tests (and benchmarks/gpu_check.py's 8 tokens) take the long factors as
+        # transformers does for them; test_phi_olmo.py serves the short ones too
+        tiny=dict(hidden_size=96, intermediate_size=136, num_hidden_layers=2, num_attention_heads=6,
+                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024,
+                  original_max_position_embeddings=6, partial_rotary_factor=0.75, rms_norm_eps=1e-5,
+                  rope_theta=10000.0, tie_word_embeddings=True, initializer_range=0.2, pad_token_id=0,
+                  bos_token_id=1, eos_token_id=2, sliding_window=None,
+                  rope_scaling={"type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                                "long_factor": [1.5, 2.5, 4.0, 7.0, 11.0, 16.0]}),
+        # the fused tensors split per rank: q, k, v (gate, up) row ranges out of one tensor
+        tiny_tp=dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2),
+    ),
+    Family(
+        "olmo2", ("Olmo2ForCausalLM",), "olmo2", "hotstart.model.families.olmo2:Olmo2ForCausalLM",
+        "supported: OLMo 2 (post-norm, q/k norm over the whole projection; tensor parallel refused)",
+        defaults={"max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
+        qkv_bias="attention_bias", o_bias="attention_bias", qk_norm="full", post_norm=True,
+        tensor_parallel="OLMo 2's q/k RMSNorm spans the heads of every rank (not implemented)",
+        # OLMo-2-0425-1B, OLMo-2-1124-7B
+        sizes={"1b": Shape(2048, 8192, 16, 16, 16, None, False),
+               "7b": Shape(4096, 11008, 32, 32, 32, None, False)},
+        make_config={"rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "attention_bias": False,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
+        # 6 heads / 2 KV heads, head_dim 20 != hidden / heads
+        tiny=dict(hidden_size=96, intermediate_size=136, num_hidden_layers=2, num_attention_heads=6,
+                  num_key_value_heads=2, head_dim=20, vocab_size=512, max_position_embeddings=1024,
+                  rms_norm_eps=1e-6, rope_theta=500000.0, tie_word_embeddings=False, initializer_range=0.2,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2),
+        tiny_tp=dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2),
+    ),
+)
+FAMILIES += PHI_FAMILIES
+
 # Architectures refused today with "not supported yet": the families the next issue adds.
 PLANNED: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("gemma2 / gemma3", ("Gemma2ForCausalLM", "Gemma3ForCausalLM")),
-    ("phi3", ("Phi3ForCausalLM",)),
-    ("olmo2", ("Olmo2ForCausalLM",)),
 )
 
 
@@ -267,12 +339,15 @@ def architectures() -> list[str]:
 
 
 def tiny_checkpoints() -> dict[str, tuple[str, dict[str, Any]]]:
-    """Test checkpoint name ("qwen2", "qwen2-tp", ...) -> (model_type, transformers config kwargs)."""
+    """Test checkpoint name ("qwen2", "qwen2-tp", ...) -> (model_type, transformers config kwargs).
+
+    Deep copies: transformers' config classes rewrite nested dicts they are given (rope_scaling gains
+    the partial_rotary_factor), which would change the table for every later reader."""
     out = {}
     for f in FAMILIES:
-        base = {"architectures": [f.architectures[0]], **f.tiny}
+        base = {"architectures": [f.architectures[0]], **copy.deepcopy(f.tiny)}
         out[f.name] = (f.model_type, base)
-        out[f"{f.name}-tp"] = (f.model_type, {**base, **f.tiny_tp})
+        out[f"{f.name}-tp"] = (f.model_type, copy.deepcopy({**base, **f.tiny_tp}))
     return out
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from hotstart import families
 from hotstart.errors import ModelConfigError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
 SUPPORTED_ACTIVATIONS = ("silu", "swish")  # the same function (transformers' ACT2FN)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -26,7 +26,19 @@ class RopeConfig:
     # llama3 scaling only
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+    original_max_position_embeddings: int = 8192  # llama3, yarn, longrope: the pretraining context
+    partial_rotary_factor: float = 1.0  # RoPE over the first int(head_dim * this) dims of each head
+    # yarn and longrope: cos / sin are multiplied by it (None: derived from factor, as transformers does)
+    attention_factor: float | None = None
+    # yarn only
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+    # longrope only: one divisor per rotary frequency (rotary dims / 2 each); model/rope.py says which
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -101,7 +113,17 @@ def _field(raw: dict, name: str, kind: type, src: Path, default: Any = ..., posi
     return value
 
 
-def _rope(raw: dict, src: Path) -> RopeConfig:
+def _number(params: dict, name: str, key: str, src: Path, default: Any) -> Any:
+    """A number of the RoPE parameters (null: DEFAULT), refused naming KEY.NAME when not one."""
+    value = params.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ModelConfigError(f"{src}: field '{key}.{name}' must be a number, got {value!r}")
+    return float(value)
+
+
+def _rope(raw: dict, src: Path, fam: families.Family, max_pos: int, head_dim: int) -> RopeConfig:
     # transformers >= 5 writes "rope_parameters" (with rope_theta inside); older files write
     # "rope_theta" and "rope_scaling" at top level.
     key = "rope_parameters" if raw.get("rope_parameters") else "rope_scaling"
@@ -112,24 +134,59 @@ def _rope(raw: dict, src: Path) -> RopeConfig:
         raise ModelConfigError(f"{src}: field '{key}' per layer type is not supported "
                                "(one RoPE for all layers)")
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise ModelConfigError(f"{src}: field 'partial_rotary_factor' ({partial!r}) is not supported "
-                               "(RoPE over the whole head only)")
+    if partial != 1.0 and not fam.partial_rotary:
+        raise ModelConfigError(f"{src}: field 'partial_rotary_factor' ({partial!r}) is not supported for "
+                               f"{fam.name} (its transformers code rotates the whole head)")
+    if not isinstance(partial, (int, float)) or isinstance(partial, bool) or not 0 < partial <= 1 or \
+            int(head_dim * partial) % 2:
+        raise ModelConfigError(f"{src}: field 'partial_rotary_factor' ({partial!r}) must be in (0, 1] and "
+                               f"rotate an even number of the {head_dim} head dims")
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
     if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
         raise ModelConfigError(f"{src}: field 'rope_theta' must be a positive number, got {theta!r}")
     rope_type = params.get("rope_type", params.get("type", "default"))
+    rope_type = fam.rope_aliases.get(rope_type, rope_type)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelConfigError(f"{src}: field '{key}' type '{rope_type}' is not supported "
                                f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    # transformers: a top-level original_max_position_embeddings (Phi-3's, a class default there) wins
+    # over the RoPE parameters'; absent from both: max_position_embeddings
+    orig = raw.get("original_max_position_embeddings", fam.defaults.get("original_max_position_embeddings"))
+    orig = params.get("original_max_position_embeddings", max_pos) if orig is None else orig
+    if not isinstance(orig, int) or isinstance(orig, bool) or orig < 1:
+        raise ModelConfigError(f"{src}: field 'original_max_position_embeddings' must be a positive int, "
+                               f"got {orig!r}")
+    # yarn / longrope without a factor: the context extension (max_position_embeddings / original)
+    factor = _number(params, "factor", key, src, max_pos / orig if rope_type in ("yarn", "longrope") else 1.0)
+    short, long = (), ()
+    if rope_type == "longrope":
+        half = int(head_dim * partial) // 2
+        lists = []
+        for name in ("short_factor", "long_factor"):
+            v = params.get(name)
+            if not isinstance(v, list) or len(v) != half or \
+                    not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
+                raise ModelConfigError(f"{src}: field '{key}.{name}' must list {half} numbers (rotary dims "
+                                       f"/ 2), got {v!r}")
+            lists.append(tuple(float(x) for x in v))
+        short, long = lists
     return RopeConfig(
         theta=float(theta),
         # dynamic NTK scaling changes nothing within max_position_embeddings, the most the engine serves
         type="default" if rope_type == "dynamic" else rope_type,
-        factor=float(params.get("factor", 1.0)),
+        factor=factor,
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        original_max_position_embeddings=orig,
+        partial_rotary_factor=float(partial),
+        attention_factor=_number(params, "attention_factor", key, src, None),
+        beta_fast=_number(params, "beta_fast", key, src, None) or 32.0,  # transformers: `or 32`
+        beta_slow=_number(params, "beta_slow", key, src, None) or 1.0,
+        mscale=_number(params, "mscale", key, src, None),
+        mscale_all_dim=_number(params, "mscale_all_dim", key, src, None),
+        truncate=bool(params.get("truncate", True)),
+        short_factor=short,
+        long_factor=long,
     )
 
 
@@ -255,6 +312,7 @@ def parse_model_config(raw: Any, src: Path, extra_eos: tuple[int, ...] = ()) -> 
                                    "hidden_size % num_attention_heads != 0")
         head_dim = hidden // heads
     layers = get("num_hidden_layers", int, positive=True)
+    max_pos = get("max_position_embeddings", int, default=2048, positive=True)
 
     dtype = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
     if dtype not in ("float32", "float16", "bfloat16"):
@@ -273,14 +331,14 @@ def parse_model_config(raw: Any, src: Path, extra_eos: tuple[int, ...] = ()) -> 
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
         vocab_size=get("vocab_size", int, positive=True),
-        max_position_embeddings=get("max_position_embeddings", int, default=2048, positive=True),
+        max_position_embeddings=max_pos,
         rms_norm_eps=get("rms_norm_eps", float, default=1e-6, positive=True),
-        rope=_rope(raw, src),
+        rope=_rope(raw, src, fam, max_pos, head_dim),
         tie_word_embeddings=get("tie_word_embeddings", bool, default=False),
         qkv_bias=_flag(fam.qkv_bias, raw, src, fam.defaults),
         o_bias=_flag(fam.o_bias, raw, src, fam.defaults),
         mlp_bias=_flag(fam.mlp_bias, raw, src, fam.defaults),
-        qk_norm=fam.qk_norm,
+        qk_norm=fam.qk_norm is True,  # per head; OLMo 2's over the projection: its own module
         sliding_window=_sliding_window(fam, raw, src, layers),
         bos_token_id=bos[0] if bos else None,
         eos_token_ids=tuple(dict.fromkeys(_ids(raw.get("eos_token_id"), src, "eos_token_id") + extra_eos)),

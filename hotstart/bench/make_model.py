@@ -118,21 +118,34 @@ def tensor_plan(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
         if bias:
             out.append((name + ".bias", (rows,), "normal"))
 
+    fam = families.by_name(mc.family)
     for n in range(mc.num_hidden_layers):
         p = f"model.layers.{n}."
-        out.append((p + "input_layernorm.weight", (h,), "ones"))
-        for proj, rows in (("q_proj", mc.q_size), ("k_proj", mc.kv_size), ("v_proj", mc.kv_size)):
-            linear(p + f"self_attn.{proj}", rows, h, mc.qkv_bias)
+        if not fam.post_norm:
+            out.append((p + "input_layernorm.weight", (h,), "ones"))
+        if fam.fused_checkpoint:  # Phi-3: q/k/v in one tensor
+            linear(p + "self_attn.qkv_proj", mc.q_size + 2 * mc.kv_size, h, mc.qkv_bias)
+        else:
+            for proj, rows in (("q_proj", mc.q_size), ("k_proj", mc.kv_size), ("v_proj", mc.kv_size)):
+                linear(p + f"self_attn.{proj}", rows, h, mc.qkv_bias)
         linear(p + "self_attn.o_proj", h, mc.q_size, mc.o_bias)
         if mc.qk_norm:  # per-head RMSNorm on q and k
             out += [(p + f"self_attn.{n}.weight", (hd,), "ones") for n in ("q_norm", "k_norm")]
+        elif fam.qk_norm == "full":  # OLMo 2: over the whole projections
+            out += [(p + "self_attn.q_norm.weight", (mc.q_size,), "ones"),
+                    (p + "self_attn.k_norm.weight", (mc.kv_size,), "ones")]
         out.append((p + "post_attention_layernorm.weight", (h,), "ones"))
         if n in mc.moe_layers:
             out += _experts(p, mc)
             continue
-        linear(p + "mlp.gate_proj", i, h, mc.mlp_bias)
-        linear(p + "mlp.up_proj", i, h, mc.mlp_bias)
+        if fam.fused_checkpoint:  # gate and up in one tensor
+            linear(p + "mlp.gate_up_proj", 2 * i, h, mc.mlp_bias)
+        else:
+            linear(p + "mlp.gate_proj", i, h, mc.mlp_bias)
+            linear(p + "mlp.up_proj", i, h, mc.mlp_bias)
         linear(p + "mlp.down_proj", h, i, mc.mlp_bias)
+        if fam.post_norm:
+            out.append((p + "post_feedforward_layernorm.weight", (h,), "ones"))
     out.append(("model.norm.weight", (h,), "ones"))
     if not mc.tie_word_embeddings:
         out.append(("lm_head.weight", (mc.vocab_size, h), "normal"))

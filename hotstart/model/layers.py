@@ -8,13 +8,11 @@ linear layers see [T, hidden]; only attention regroups them per sequence (model/
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hotstart.model import onednn
+from hotstart.model import onednn, rope
 from hotstart.model.attention import AttnMetadata, paged_attention
 from hotstart.model_config import ModelConfig, RopeConfig
 
@@ -54,6 +52,10 @@ class FusedLinear(Linear):
             row += rows
         self.split_sizes = list(shards.values())
         self.sources: dict[str, tuple[int, int, int]] = {}
+        # True: the checkpoint ships this fused tensor itself under this module's name (Phi-3's qkv_proj,
+        # gate_up_proj): the loader maps it whole (zero-copy on CPU); tensor parallel takes each shard's
+        # rank rows out of it (parallel.shard).
+        self.whole = False
 
     def take_rank_rows(self, rank: int, world_size: int) -> None:
         """Rank RANK of WORLD_SIZE: each shard is that rank's contiguous share of its projection."""
@@ -85,25 +87,6 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
-def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if rope.type == "linear":
-        inv_freq = inv_freq / rope.factor
-    elif rope.type == "llama3":
-        # Llama 3.1 frequency-dependent scaling: long wavelengths scaled by factor, short kept,
-        # a smooth blend in between.
-        old_len = rope.original_max_position_embeddings
-        low_wavelen = old_len / rope.low_freq_factor
-        high_wavelen = old_len / rope.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
-        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
-        blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
-        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        inv_freq = torch.where(medium, blended, scaled)
-    return inv_freq
-
-
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding with a cos/sin table computed once for max_positions."""
 
@@ -114,11 +97,12 @@ class RotaryEmbedding(nn.Module):
         self.sin: torch.Tensor | None = None
 
     def build(self, device: torch.device, dtype: torch.dtype) -> None:
-        inv_freq = rope_inv_freq(self.rope, self.head_dim).to(device)
+        inv_freq, scale = rope.inv_freq_and_scale(self.rope, self.head_dim, self.max_positions)
         t = torch.arange(self.max_positions, device=device, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)  # [P, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        freqs = torch.outer(t, inv_freq.to(device))  # [P, R/2]; R = rotary dims (partial RoPE: R < D)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, R]
+        # yarn / longrope scale cos and sin (the attention factor), in float32 before the cast
+        self.cos, self.sin = (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -131,7 +115,11 @@ class RotaryEmbedding(nn.Module):
 
     @classmethod
     def apply(cls, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [T, heads, D]
+        # x: [T, heads, D], cos / sin: [T, 1, R]; partial RoPE (R < D): the last D - R dims pass through
+        r = cos.shape[-1]
+        if r < x.shape[-1]:
+            rot = x[..., :r]
+            return torch.cat((rot * cos + cls._rotate_half(rot) * sin, x[..., r:]), dim=-1)
         return x * cos + cls._rotate_half(x) * sin
 
 

@@ -36,7 +36,7 @@ def _checkpoint_names(model: nn.Module) -> dict[str, tuple[str, str | None]]:
     for path, module in model.named_modules():
         for leaf, _ in module.named_parameters(recurse=False):
             param = f"{path}.{leaf}" if path else leaf
-            if isinstance(module, FusedLinear):
+            if isinstance(module, FusedLinear) and not module.whole:  # whole: the checkpoint's own tensor
                 parent = path.rpartition(".")[0]
                 out.update({f"{parent}.{shard}.{leaf}": (param, shard) for shard in module.shards})
             else:

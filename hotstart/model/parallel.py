@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from hotstart import families
 from hotstart.errors import HotstartError
 from hotstart.model import onednn
 from hotstart.model.layers import Embedding, FusedLinear, Linear
@@ -39,6 +40,9 @@ class Split:
     start: int
     size: int
     full: int
+    # Several row ranges (start, size), concatenated: a rank's q, k, v (gate, up) out of a tensor the
+    # checkpoint ships fused (Phi-3); start and size then cover their sum. Empty: one range.
+    rows: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,9 @@ def local_config(cfg: ModelConfig, world_size: int) -> ModelConfig:
 
 def divisibility_error(cfg: ModelConfig, n: int) -> str | None:
     """Why the model cannot be split over N ranks (the numbers named), or None."""
+    refused = families.by_name(cfg.family).tensor_parallel
+    if refused and n > 1:
+        return f"--tensor-parallel-size {n}: not supported for {cfg.architecture}: {refused} ({cfg.path})"
     sizes = (("num_attention_heads", cfg.num_attention_heads),
              ("num_key_value_heads", cfg.num_key_value_heads), ("intermediate_size", cfg.intermediate_size),
              ("moe_intermediate_size", cfg.moe_intermediate_size),
@@ -138,6 +145,14 @@ def _column(linear: Linear, tp: TensorParallel) -> None:
     linear.splits = {"weight": split, **({"bias": split} if linear.bias is not None else {})}
 
 
+def _fused_rows(m: FusedLinear, tp: TensorParallel) -> None:
+    """M maps a checkpoint-fused tensor ([sum of shard rows * world, in]): the rank's rows of each shard,
+    in layout order. A shard's rows start at (its local start) * world in the checkpoint tensor."""
+    rows = tuple((start * tp.world_size + tp.rank * size, size) for start, size in m.shards.values())
+    split = Split(0, 0, m.weight.shape[0], m.weight.shape[0] * tp.world_size, rows)
+    m.splits = {"weight": split, **({"bias": split} if m.bias is not None else {})}
+
+
 def _row(linear: Linear, tp: TensorParallel) -> RowParallelLinear:
     out_f, in_f = linear.weight.shape
     return RowParallelLinear(in_f, out_f, linear.bias is not None, tp)
@@ -154,7 +169,9 @@ def shard(model, tp: TensorParallel) -> None:
             mlp.shard(tp)
         dense = [] if experts else [mlp.gate_up_proj] if mlp.fused else [mlp.gate_proj, mlp.up_proj]
         for m in ([attn.qkv_proj] if attn.fused else [attn.q_proj, attn.k_proj, attn.v_proj]) + dense:
-            if isinstance(m, FusedLinear):
+            if isinstance(m, FusedLinear) and m.whole:
+                _fused_rows(m, tp)
+            elif isinstance(m, FusedLinear):
                 m.take_rank_rows(tp.rank, tp.world_size)
             else:
                 _column(m, tp)
@@ -196,6 +213,12 @@ def rank_part(st, info, split: Split | None) -> torch.Tensor:
     full = st.get(info)
     if split is None:
         return full
+    if split.rows:  # several row ranges: each made resident, then copied together
+        row = (info.end - info.start) // info.shape[0]
+        for start, size in split.rows:
+            first = info.start + start * row
+            st.populate(dataclasses.replace(info, start=first, end=first + size * row))
+        return torch.cat([full.narrow(0, start, size) for start, size in split.rows])
     if split.dim == 0 and info.shape and info.shape[0]:
         row = (info.end - info.start) // info.shape[0]
         first = info.start + split.start * row

@@ -158,7 +158,11 @@ def test_the_served_context_decides(tmp_path):
 @pytest.mark.parametrize("family,changes,message", [
     ("llama", {"hidden_act": "gelu"}, r"field 'hidden_act' 'gelu' is not supported"),
     ("qwen2", {"partial_rotary_factor": 0.5}, r"field 'partial_rotary_factor' \(0.5\) is not supported"),
-    ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"field 'rope_scaling' type 'yarn'"),
+    # "su" is longrope to Phi-3's code only
+    ("llama", {"rope_scaling": {"rope_type": "su", "factor": 4.0}}, r"field 'rope_scaling' type 'su'"),
+    ("phi3", {"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 6, "long_factor": [1.0] * 5}},
+     r"field 'rope_scaling.long_factor' must list 6 numbers"),
+    ("phi3", {"partial_rotary_factor": 0.7}, r"field 'partial_rotary_factor' \(0.7\) must be in \(0, 1\]"),
     ("qwen3", {"rope_parameters": {"full_attention": {"rope_theta": 1e6},
                                    "sliding_attention": {"rope_theta": 1e4}}},
      r"field 'rope_parameters' per layer type is not supported"),

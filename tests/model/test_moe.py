@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tp_ranks import prefill_and_decode, runner_for
+from tp_ranks import executor_for_case, prefill_and_decode
 from util import Server
 
 from hotstart import families
@@ -145,7 +145,7 @@ def test_two_ranks_give_the_logits_of_one(tiny_checkpoint, tmp_path):
             p.kill()
     got = torch.load(out)
     for case in cases:
-        want = prefill_and_decode(runner_for(case, None), case["ids"])
+        want = prefill_and_decode(executor_for_case(case, None), case["ids"])
         for step, (ours, ref) in enumerate(zip(got[case["name"]], want)):
             assert torch.allclose(ours, ref, atol=1e-4, rtol=0), (case["name"], step,
                                                                   (ours - ref).abs().max())
