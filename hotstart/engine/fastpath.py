@@ -112,6 +112,8 @@ class FastPath:
             return f"off: --compile {self.mode}"
         if self.mode == "auto" and packing:
             return "off: the packed weights serve faster (auto)"
+        if not self.model.graph_layers:
+            return "off: the compiled layer graphs are Llama's layer, not this family's"
         if self.runner.peers is not None:
             return "off: tensor parallel (the compiled layer graphs hold no collectives)"
         if self.core.placement.device.type != "cpu" or self.model.fused:
