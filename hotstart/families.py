@@ -68,6 +68,9 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "l
 ROPE_1M = {"rope_type": "default", "rope_theta": 1000000.0}
 GEMMA_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                "post_feedforward_layernorm")
+# Gemma 3: one RoPE per layer type (transformers >= 5 writes them so)
+GEMMA3_ROPE = {"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+               "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
 GEMMA_DEFAULTS = {"num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
                   "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "query_pre_attn_scalar": 256,
                   "sliding_window": 4096}
@@ -99,7 +102,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "qwen2", ("Qwen2ForCausalLM",), "qwen2", "hotstart.model.families.qwen2:Qwen2ForCausalLM",
-        "supported: Qwen2, Qwen2.5 (with `use_sliding_window`: the window on the layers from `max_window_layers`)",
+        "supported: Qwen2, Qwen2.5 (`use_sliding_window`: windowed from layer `max_window_layers` on)",
         defaults={"max_position_embeddings": 32768, "num_key_value_heads": 32, "sliding_window": 4096,
                   "max_window_layers": 28},
         qkv_bias=True, sliding_window="opt-in",
@@ -188,20 +191,20 @@ FAMILIES: tuple[Family, ...] = (
         # gemma-3-1b-it / the text model of gemma-3-4b-it
         sizes={"1b": Shape(1152, 6912, 26, 4, 1, 256, True), "4b": Shape(2560, 10240, 34, 8, 4, 256, True)},
         make_config={"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "query_pre_attn_scalar": 256,
-                     "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 512, "attention_bias": False,
-                     "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
-                                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+                     "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 512,
+                     "attention_bias": False, "rope_parameters": GEMMA3_ROPE,
                      "final_logit_softcapping": None, "attn_logit_softcapping": None},
-        size_config={"4b": {"sliding_window": 1024, "max_position_embeddings": 131072, "rope_parameters": {
-            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}},
+        size_config={"4b": {"sliding_window": 1024, "max_position_embeddings": 131072,
+                            "rope_parameters": {**GEMMA3_ROPE, "full_attention": {
+                                "rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}}},
         # head_dim 24 != 96 / 6, a window of 12 on all but every 3rd layer, linear RoPE on global layers
         tiny=dict(hidden_size=96, intermediate_size=160, num_hidden_layers=4, num_attention_heads=6,
                   num_key_value_heads=3, head_dim=24, vocab_size=512, max_position_embeddings=1024,
                   sliding_window=12, sliding_window_pattern=3, query_pre_attn_scalar=20,
                   final_logit_softcapping=8.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
                   initializer_range=0.2,
-                  rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                  rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                      "rope_theta": 1e6},
                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
         tiny_tp=dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                      head_dim=16),
