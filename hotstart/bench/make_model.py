@@ -126,6 +126,9 @@ def tensor_plan(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
         if mc.qk_norm:  # per-head RMSNorm on q and k
             out += [(p + f"self_attn.{n}.weight", (hd,), "ones") for n in ("q_norm", "k_norm")]
         out.append((p + "post_attention_layernorm.weight", (h,), "ones"))
+        extra = [n for n in families.by_name(mc.family).layer_norms  # Gemma: pre/post-feedforward norms
+                 if n not in ("input_layernorm", "post_attention_layernorm")]
+        out += [(p + f"{n}.weight", (h,), "ones") for n in extra]
         linear(p + "mlp.gate_proj", i, h, mc.mlp_bias)
         linear(p + "mlp.up_proj", i, h, mc.mlp_bias)
         linear(p + "mlp.down_proj", h, i, mc.mlp_bias)

@@ -112,6 +112,10 @@ def test_real_sizes_match_published_shapes():
     assert params("llama", "1b", 128256) == pytest.approx(1.236, abs=0.005)
     assert params("llama", "8b", 128256) == pytest.approx(8.03, abs=0.01)
     assert params("mistral", "7b", 32768) == pytest.approx(7.248, abs=0.005)  # Mistral-7B-v0.3
+    assert params("gemma2", "2b", 256000) == pytest.approx(2.614, abs=0.005)
+    assert params("gemma2", "9b", 256000) == pytest.approx(9.242, abs=0.005)
+    assert params("gemma3", "1b", 262144) == pytest.approx(1.000, abs=0.005)
+    assert params("gemma3", "4b", 262208) == pytest.approx(3.880, abs=0.005)  # without the vision tower
 
 
 @pytest.mark.parametrize("args,message", [
