@@ -157,7 +157,7 @@ def test_a_windowed_family_serves_through_the_server(checkpoint, default_model_d
     s = Server(str(folder), "--max-model-len", "256", "--dtype", "float32")
     try:
         r = openai_client(s, timeout=60).completions.create(
-            model="tiny", prompt=ids, max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+            model="gemma2", prompt=ids, max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
         assert r.choices[0].text == Tokenizer.from_dir(folder).decode(want)
     finally:
         s.stop()
