@@ -133,6 +133,20 @@ def test_windows_are_read_as_transformers_reads_them(tmp_path, family, changes):
     assert masks == any(w is not None and w < 24 for w in want)
 
 
+def test_gemma3_rope_fields_of_older_files(tmp_path):
+    """rope_theta / rope_scaling (the global layers) and rope_local_base_freq (the sliding ones)."""
+    from transformers import AutoConfig
+
+    folder = _write(tmp_path, "gemma3", rope_parameters=DROP, rope_theta=500000.0,
+                    rope_local_base_freq=20000.0, rope_scaling={"rope_type": "linear", "factor": 8.0})
+    theirs = AutoConfig.from_pretrained(folder).rope_parameters
+    cfg = load_model_config(folder)
+    glob, local = theirs["full_attention"], theirs["sliding_attention"]
+    assert (cfg.rope.theta, cfg.rope.type, cfg.rope.factor) == (glob["rope_theta"], "linear", glob["factor"])
+    assert (cfg.rope_local.theta, cfg.rope_local.type) == (local["rope_theta"], local["rope_type"]) == \
+        (20000.0, "default")
+
+
 def test_the_served_context_is_not_bounded_by_the_window(tmp_path):
     folder = _write(tmp_path, "mistral", sliding_window=256)
     cfg = load_model_config(folder)
