@@ -68,9 +68,17 @@ class Family:
     # How the attention window is read. "none": never (full attention whatever the file says);
     # "always": `sliding_window` (null: full); "opt-in": only with `use_sliding_window: true`, on the layers
     # `layer_types` names "sliding_attention" (absent: layers from `max_window_layers` on); "opt-in-all":
-    # with `use_sliding_window: true`, taken to hold for every layer (Qwen2/3-MoE; refused past the window).
+    # with `use_sliding_window: true`, taken to hold for every layer (Qwen2/3-MoE; refused past the window);
+    # "pattern": the `layer_types` ones (absent: all but every `sliding_window_pattern`-th layer, Gemma).
     sliding_window: str = "none"
     moe: Moe | None = None  # a mixture of experts (hotstart/model/moe.py); None: dense MLPs
+    # -- Gemma's differences (the defaults: none of them) --
+    activation: str = "hidden_act"  # the config.json field naming the MLP's activation
+    query_scalar: bool = False  # queries scaled by `query_pre_attn_scalar` ** -0.5, not head_dim ** -0.5
+    softcaps: tuple[str, ...] = ()  # the logit soft-capping fields its code applies
+    local_rope: bool = False  # the sliding layers have their own RoPE (`rope_local_base_freq`)
+    # RMSNorms of each decoder layer (make-model writes them)
+    layer_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
     # -- hotstart make-model --
     sizes: dict[str, Shape] = field(default_factory=dict)
     make_config: dict[str, Any] = field(default_factory=dict)  # config.json fields beside the shape
@@ -83,6 +91,14 @@ class Family:
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 ROPE_1M = {"rope_type": "default", "rope_theta": 1000000.0}
+GEMMA_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+               "post_feedforward_layernorm")
+# Gemma 3: one RoPE per layer type (transformers >= 5 writes them so)
+GEMMA3_ROPE = {"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+               "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+GEMMA_DEFAULTS = {"num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+                  "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "query_pre_attn_scalar": 256,
+                  "sliding_window": 4096}
 # `make-model --size tiny` (any family): 4 heads / 2 KV heads of 32
 MAKE_TINY = Shape(128, 384, 2, 4, 2, 32, True)
 
@@ -111,7 +127,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "qwen2", ("Qwen2ForCausalLM",), "qwen2", "hotstart.model.families.qwen2:Qwen2ForCausalLM",
-        "supported: Qwen2, Qwen2.5 (a `use_sliding_window` shorter than the context is refused)",
+        "supported: Qwen2, Qwen2.5 (`use_sliding_window`: windowed from layer `max_window_layers` on)",
         defaults={"max_position_embeddings": 32768, "num_key_value_heads": 32, "sliding_window": 4096,
                   "max_window_layers": 28},
         qkv_bias=True, sliding_window="opt-in",
@@ -131,7 +147,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "qwen3", ("Qwen3ForCausalLM",), "qwen3", "hotstart.model.families.qwen3:Qwen3ForCausalLM",
-        "supported: Qwen3 (dense; a `use_sliding_window` shorter than the context is refused)",
+        "supported: Qwen3 (dense; with `use_sliding_window`: windowed layers as `layer_types` says)",
         defaults={"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128,
                   "sliding_window": 4096, "max_window_layers": 28},
         qkv_bias="attention_bias", o_bias="attention_bias", qk_norm=True, sliding_window="opt-in",
@@ -152,18 +168,17 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "mistral", ("MistralForCausalLM",), "mistral", "hotstart.model.families.llama:LlamaForCausalLM",
-        "supported where `sliding_window` is null or at least the served context (`--max-model-len`); "
-        "a shorter window is refused",
+        "supported: Mistral 7B v0.1 - v0.3 (`sliding_window` on every layer, or null)",
         defaults={"max_position_embeddings": 131072, "num_key_value_heads": 8, "sliding_window": 4096},
         sliding_window="always",
         # Mistral-7B-v0.3 (no sliding window)
         sizes={"7b": Shape(4096, 14336, 32, 32, 8, 128, False)},
         make_config={"rms_norm_eps": 1e-5, "rope_parameters": ROPE_1M, "max_position_embeddings": 32768,
                      "sliding_window": None},
-        # head_dim 20 != hidden / heads; a window as long as the context (served: it never masks)
+        # head_dim 20 != hidden / heads; a window of 16, shorter than the test prompts
         tiny=dict(hidden_size=96, intermediate_size=136, num_hidden_layers=2, num_attention_heads=6,
                   num_key_value_heads=2, head_dim=20, vocab_size=512, max_position_embeddings=1024,
-                  sliding_window=1024, rope_theta=1000000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                  sliding_window=16, rope_theta=1000000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
                   initializer_range=0.2),
         tiny_tp=dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2),
     ),
@@ -239,6 +254,58 @@ FAMILIES: tuple[Family, ...] = (
         tiny_tp=dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
                      head_dim=16, moe_intermediate_size=32),
     ),
+    Family(
+        "gemma2", ("Gemma2ForCausalLM",), "gemma2", "hotstart.model.families.gemma2:Gemma2ForCausalLM",
+        "supported: Gemma 2 (sliding window on alternate layers, logit soft-capping)",
+        defaults={**GEMMA_DEFAULTS, "max_position_embeddings": 8192, "sliding_window_pattern": 2,
+                  "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
+        qkv_bias="attention_bias", o_bias="attention_bias", sliding_window="pattern",
+        activation="hidden_activation", query_scalar=True,
+        softcaps=("attn_logit_softcapping", "final_logit_softcapping"), layer_norms=GEMMA_NORMS,
+        # gemma-2-2b / 9b
+        sizes={"2b": Shape(2304, 9216, 26, 8, 4, 256, True), "9b": Shape(3584, 14336, 42, 16, 8, 256, True)},
+        make_config={"rms_norm_eps": 1e-6, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+                     "max_position_embeddings": 8192, "hidden_activation": "gelu_pytorch_tanh",
+                     "query_pre_attn_scalar": 256, "sliding_window": 4096, "attention_bias": False,
+                     "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
+        # 3 heads / 1 KV head of 20 (!= 72 / 3), a window of 8 on layers 0 and 2, caps that bite
+        tiny=dict(hidden_size=72, intermediate_size=136, num_hidden_layers=3, num_attention_heads=3,
+                  num_key_value_heads=1, head_dim=20, vocab_size=512, max_position_embeddings=1024,
+                  sliding_window=8, query_pre_attn_scalar=18, attn_logit_softcapping=4.0,
+                  final_logit_softcapping=8.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                  initializer_range=0.2),
+        tiny_tp=dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=16),
+    ),
+    Family(
+        "gemma3", ("Gemma3ForCausalLM",), "gemma3_text", "hotstart.model.families.gemma3:Gemma3ForCausalLM",
+        "supported: Gemma 3 text-only (`Gemma3ForCausalLM`: 5 sliding layers to 1 global, local RoPE)",
+        defaults={**GEMMA_DEFAULTS, "max_position_embeddings": 131072, "sliding_window_pattern": 6,
+                  "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0},
+        qkv_bias="attention_bias", o_bias="attention_bias", qk_norm=True, sliding_window="pattern",
+        activation="hidden_activation", query_scalar=True, softcaps=("final_logit_softcapping",),
+        local_rope=True, layer_norms=GEMMA_NORMS,
+        # gemma-3-1b-it / the text model of gemma-3-4b-it
+        sizes={"1b": Shape(1152, 6912, 26, 4, 1, 256, True), "4b": Shape(2560, 10240, 34, 8, 4, 256, True)},
+        make_config={"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "query_pre_attn_scalar": 256,
+                     "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 512,
+                     "attention_bias": False, "rope_parameters": GEMMA3_ROPE,
+                     "final_logit_softcapping": None, "attn_logit_softcapping": None},
+        size_config={"4b": {"sliding_window": 1024, "max_position_embeddings": 131072,
+                            "rope_parameters": {**GEMMA3_ROPE, "full_attention": {
+                                "rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}}},
+        # head_dim 24 != 96 / 6, a window of 12 on all but every 3rd layer, linear RoPE on global layers
+        tiny=dict(hidden_size=96, intermediate_size=160, num_hidden_layers=4, num_attention_heads=6,
+                  num_key_value_heads=3, head_dim=24, vocab_size=512, max_position_embeddings=1024,
+                  sliding_window=12, sliding_window_pattern=3, query_pre_attn_scalar=20,
+                  final_logit_softcapping=8.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  initializer_range=0.2,
+                  rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                      "rope_theta": 1e6},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+        tiny_tp=dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=16),
+    ),
 )
 
 # Phi-3.5-mini-instruct's and Phi-4-mini-instruct's LongRoPE factors (rotary dims / 2 = 48 each), rounded
@@ -310,8 +377,14 @@ FAMILIES += PHI_FAMILIES
 
 # Architectures refused today with "not supported yet": the families the next issue adds.
 PLANNED: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("gemma2 / gemma3", ("Gemma2ForCausalLM", "Gemma3ForCausalLM")),
 )
+
+
+# Architectures refused for good, with the reason.
+REFUSED: dict[str, str] = {
+    "Gemma3ForConditionalGeneration": "the multimodal Gemma 3 (vision tower) is not served; text-only "
+                                      "Gemma3ForCausalLM checkpoints are",
+}
 
 
 def names() -> list[str]:

@@ -14,7 +14,9 @@ from hotstart import families
 from hotstart.errors import ModelConfigError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
-SUPPORTED_ACTIVATIONS = ("silu", "swish")  # the same function (transformers' ACT2FN)
+# config.json activation name -> the MLP's function (layers.ACTIVATIONS); silu and swish are the same
+# function in transformers' ACT2FN, gelu_pytorch_tanh is GELU's tanh approximation (Gemma)
+SUPPORTED_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -74,6 +76,18 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none)
     norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum to 1
     moe_layers: tuple[int, ...] = ()  # the layers whose MLP is a mixture of experts (the others: dense)
+    # -- sliding windows and Gemma's attention (defaults: none of it) --
+    sliding_layers: tuple[bool, ...] = ()  # per layer: a "sliding_attention" layer (empty: none)
+    hidden_act: str = "silu"  # the MLP's activation, a layers.ACTIVATIONS key
+    attn_scale: float | None = None  # query scaling (Gemma: query_pre_attn_scalar ** -0.5); None: D ** -0.5
+    attn_softcap: float | None = None  # attention logits -> tanh(x / c) * c before the mask (Gemma 2)
+    final_softcap: float | None = None  # the same on the output logits
+    rope_local: RopeConfig | None = None  # the sliding layers' RoPE (Gemma 3); None: `rope` everywhere
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of layer LAYER (a query at p sees keys p - W + 1 .. p); None: full."""
+        slides = self.sliding_layers[layer] if self.sliding_layers else False
+        return self.sliding_window if slides else None
 
     @property
     def q_size(self) -> int:
@@ -84,17 +98,19 @@ class ModelConfig:
         return self.num_key_value_heads * self.head_dim
 
     def check_context(self, tokens: int) -> None:
-        """Refuse to serve TOKENS of context past the sliding window: sliding-window attention is not
-        implemented, and full attention beyond the window answers differently from the model."""
+        """Refuse TOKENS of context past the sliding window where the layers take no window: sliding
+        windows are implemented for the dense families (model/attention.py), not yet in the
+        mixture-of-experts decoder layers (model/moe.py), where full attention beyond the window would
+        answer differently from the model."""
         w = self.sliding_window
-        if w is None or w >= tokens:
+        if w is None or w >= tokens or not self.num_experts:
             return
         opt_in = families.by_name(self.family).sliding_window.startswith("opt-in")
         how = "'use_sliding_window' is true and " if opt_in else ""
         raise ModelConfigError(
             f"{Path(self.path) / 'config.json'}: {how}field 'sliding_window' ({w}) is shorter than the "
-            f"context to serve ({tokens} tokens): sliding-window attention is not implemented yet; "
-            f"serve with --max-model-len {w} or less")
+            f"context to serve ({tokens} tokens): sliding-window attention is not implemented yet for "
+            f"mixture-of-experts models; serve with --max-model-len {w} or less")
 
 
 def _field(raw: dict, name: str, kind: type, src: Path, default: Any = ..., positive: bool = False):
@@ -238,29 +254,68 @@ def _moe(fam: families.Family, raw: dict, src: Path, layers: int) -> dict[str, A
     )
 
 
-def _sliding_window(fam: families.Family, raw: dict, src: Path, layers: int) -> int | None:
-    """The attention window as FAM's transformers code reads it; None where no layer slides."""
+def _sliding_window(fam: families.Family, raw: dict, src: Path, layers: int) -> tuple[int | None, tuple]:
+    """(the attention window, which layers slide) as FAM's transformers code reads them; (None, ()) where no
+    layer slides."""
     if fam.sliding_window == "none":
-        return None
+        return None, ()
     opted = _field(raw, "use_sliding_window", bool, src, default=False)
     if fam.sliding_window.startswith("opt-in") and not opted:
-        return None
+        return None, ()
+    if _field(raw, "use_bidirectional_attention", bool, src, default=False):
+        raise ModelConfigError(f"{src}: field 'use_bidirectional_attention' is not supported (causal only)")
     window = raw["sliding_window"] if "sliding_window" in raw else fam.defaults.get("sliding_window")
     if window is None:
-        return None
+        return None, ()
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise ModelConfigError(f"{src}: field 'sliding_window' must be a positive int or null, "
                                f"got {window!r}")
     if fam.sliding_window in ("always", "opt-in-all"):
-        return window
+        return window, (True,) * layers
     types = raw.get("layer_types")
-    if types is None:
+    if types is None and fam.sliding_window == "pattern":
+        # Gemma: every PATTERN-th layer is global, the others slide (Gemma 2: 2, Gemma 3: 6)
+        n = _field(raw, "sliding_window_pattern", int, src, default=fam.defaults["sliding_window_pattern"],
+                   positive=True)
+        types = ["sliding_attention" if (i + 1) % n else "full_attention" for i in range(layers)]
+    if types is None:  # Qwen2 / Qwen3: the layers from `max_window_layers` on
         first = _field(raw, "max_window_layers", int, src, default=fam.defaults.get("max_window_layers", 0))
-        return window if first < layers else None
+        slides = tuple(i >= first for i in range(layers))
+        return (window, slides) if any(slides) else (None, ())
     if not isinstance(types, list) or len(types) != layers or any(t not in LAYER_TYPES for t in types):
         raise ModelConfigError(f"{src}: field 'layer_types' must list one of {', '.join(LAYER_TYPES)} "
                                f"per layer ({layers}), got {types!r}")
-    return window if "sliding_attention" in types else None
+    slides = tuple(t == "sliding_attention" for t in types)
+    return (window, slides) if any(slides) else (None, ())
+
+
+def _local_rope(fam: families.Family, raw: dict, src: Path, max_pos: int,
+                head_dim: int) -> tuple[RopeConfig, RopeConfig | None]:
+    """(the global layers' RoPE, the sliding layers' or None). Gemma 3 writes either one `rope_parameters`
+    per layer type (transformers >= 5) or `rope_theta` / `rope_scaling` (global) and
+    `rope_local_base_freq` (sliding, no scaling)."""
+    if not fam.local_rope:
+        return _rope(raw, src, fam, max_pos, head_dim), None
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and set(params) == {"full_attention", "sliding_attention"}:
+        return (_rope({"rope_parameters": params["full_attention"]}, src, fam, max_pos, head_dim),
+                _rope({"rope_parameters": params["sliding_attention"]}, src, fam, max_pos, head_dim))
+    default = {"rope_theta": fam.defaults["rope_theta"]} if "rope_theta" not in raw else {}
+    local = _field(raw, "rope_local_base_freq", float, src, default=fam.defaults["rope_local_base_freq"],
+                   positive=True)
+    return _rope({**default, **raw}, src, fam, max_pos, head_dim), RopeConfig(theta=local)
+
+
+def _softcap(fam: families.Family, raw: dict, src: Path, name: str) -> float | None:
+    """A Gemma soft-capping field: null is no capping, absent the family's default."""
+    if name not in fam.softcaps:
+        if raw.get(name) is not None:
+            raise ModelConfigError(f"{src}: field '{name}' is not supported for {fam.name} "
+                                   "(its transformers code does not apply it)")
+        return None
+    if name in raw and raw[name] is None:
+        return None
+    return _field(raw, name, float, src, default=fam.defaults.get(name), positive=True)
 
 
 def _family(raw: dict, src: Path) -> tuple[str, families.Family]:
@@ -269,6 +324,8 @@ def _family(raw: dict, src: Path) -> tuple[str, families.Family]:
         raise ModelConfigError(f"{src}: missing field 'architectures'")
     arch = archs[0]
     fam = families.for_architecture(arch)
+    if arch in families.REFUSED:
+        raise ModelConfigError(f"{src}: architecture '{arch}' is not supported: {families.REFUSED[arch]}")
     if fam is None:
         supported = ", ".join(families.architectures())
         if families.planned(arch):
@@ -287,9 +344,10 @@ def parse_model_config(raw: Any, src: Path, extra_eos: tuple[int, ...] = ()) -> 
     def get(name: str, kind: type, default: Any = ..., positive: bool = False):
         return _field(raw, name, kind, src, fam.defaults.get(name, default), positive)
 
-    act = raw.get("hidden_act", fam.defaults.get("hidden_act", "silu"))
+    act = raw.get(fam.activation, fam.defaults.get(fam.activation, "silu"))
     if act not in SUPPORTED_ACTIVATIONS:
-        raise ModelConfigError(f"{src}: field 'hidden_act' {act!r} is not supported (supported: silu)")
+        raise ModelConfigError(f"{src}: field '{fam.activation}' {act!r} is not supported "
+                               f"(supported: {', '.join(SUPPORTED_ACTIVATIONS)})")
     quant = raw.get("quantization_config")
     if quant is not None:
         method = quant.get("quant_method") if isinstance(quant, dict) else quant
@@ -319,6 +377,9 @@ def parse_model_config(raw: Any, src: Path, extra_eos: tuple[int, ...] = ()) -> 
         raise ModelConfigError(f"{src}: field 'torch_dtype' must be float32, float16 or bfloat16, "
                                f"got {dtype!r}")
     bos = _ids(raw.get("bos_token_id"), src, "bos_token_id")
+    window, sliding_layers = _sliding_window(fam, raw, src, layers)
+    rope, rope_local = _local_rope(fam, raw, src, max_pos, head_dim)
+    scalar = get("query_pre_attn_scalar", float, positive=True) if fam.query_scalar else None
 
     return ModelConfig(
         path=str(src.parent),
@@ -333,16 +394,22 @@ def parse_model_config(raw: Any, src: Path, extra_eos: tuple[int, ...] = ()) -> 
         vocab_size=get("vocab_size", int, positive=True),
         max_position_embeddings=max_pos,
         rms_norm_eps=get("rms_norm_eps", float, default=1e-6, positive=True),
-        rope=_rope(raw, src, fam, max_pos, head_dim),
+        rope=rope,
         tie_word_embeddings=get("tie_word_embeddings", bool, default=False),
         qkv_bias=_flag(fam.qkv_bias, raw, src, fam.defaults),
         o_bias=_flag(fam.o_bias, raw, src, fam.defaults),
         mlp_bias=_flag(fam.mlp_bias, raw, src, fam.defaults),
         qk_norm=fam.qk_norm is True,  # per head; OLMo 2's over the projection: its own module
-        sliding_window=_sliding_window(fam, raw, src, layers),
+        sliding_window=window,
         bos_token_id=bos[0] if bos else None,
         eos_token_ids=tuple(dict.fromkeys(_ids(raw.get("eos_token_id"), src, "eos_token_id") + extra_eos)),
         torch_dtype=dtype,
+        sliding_layers=sliding_layers,
+        hidden_act=SUPPORTED_ACTIVATIONS[act],
+        attn_scale=scalar**-0.5 if scalar is not None else None,
+        attn_softcap=_softcap(fam, raw, src, "attn_logit_softcapping"),
+        final_softcap=_softcap(fam, raw, src, "final_logit_softcapping"),
+        rope_local=rope_local,
         **_moe(fam, raw, src, layers),
     )
 

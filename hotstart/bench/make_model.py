@@ -135,6 +135,9 @@ def tensor_plan(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
             out += [(p + "self_attn.q_norm.weight", (mc.q_size,), "ones"),
                     (p + "self_attn.k_norm.weight", (mc.kv_size,), "ones")]
         out.append((p + "post_attention_layernorm.weight", (h,), "ones"))
+        norms = [m for m in fam.layer_norms  # Gemma: pre/post-feedforward norms
+                 if m not in ("input_layernorm", "post_attention_layernorm")]
+        out += [(p + f"{m}.weight", (h,), "ones") for m in norms]
         if n in mc.moe_layers:
             out += _experts(p, mc)
             continue

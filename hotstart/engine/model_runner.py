@@ -108,7 +108,8 @@ class ModelRunner:
         bias = torch.zeros(len(entries), keys.shape[0])
         bias.masked_fill_(keys[None, :] >= torch.tensor(context)[:, None], float("-inf"))
         tokens = None if everything else self._tensor([last[i] for i in entries])
-        return DecodeGroup(tokens, tables, bias[:, None, None, :].to(self.device))
+        return DecodeGroup(tokens, tables, bias[:, None, None, :].to(self.device),
+                           context=self._tensor(context))  # sliding windows: AttnMetadata.window
 
     def _prefill_group(
         self, s: StepInputs, entries: list[int], offsets: list[int], everything: bool
@@ -130,7 +131,8 @@ class ModelRunner:
         if not everything:
             tokens = self._tensor([offsets[i] + j for i, n in zip(entries, lens) for j in range(n)])
         dev = self.device
-        return PrefillGroup(tokens, q_index.to(dev), q_valid.to(dev), tables, mask[:, None].to(dev))
+        return PrefillGroup(tokens, q_index.to(dev), q_valid.to(dev), tables, mask[:, None].to(dev),
+                            q_pos=q_pos.to(dev))  # sliding windows: AttnMetadata.window
 
     @torch.inference_mode()
     def forward(self, batch: list[tuple[Sequence, int]], want_logits: list[bool],

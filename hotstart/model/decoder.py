@@ -24,7 +24,19 @@ class Backbone(nn.Module):
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(layer_class(cfg, fused) for _ in range(cfg.num_hidden_layers))
+        self.set_windows(cfg)
+        # the sliding layers' own RoPE (Gemma 3), None: every layer uses `rotary`
+        self.rotary_local = None if cfg.rope_local is None else \
+            RotaryEmbedding(cfg.rope_local, cfg.head_dim, max_positions)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def set_windows(self, cfg: ModelConfig) -> None:
+        """Each layer's sliding window (model_config.layer_window); a family that builds its layers
+        itself (model/moe.py) calls this again once they exist."""
+        for i, layer in enumerate(self.layers):
+            if hasattr(layer, "self_attn"):
+                layer.self_attn.window = cfg.layer_window(i)
+                layer.self_attn.sliding = bool(cfg.sliding_layers) and cfg.sliding_layers[i]
 
 
 class CausalLM(nn.Module):
@@ -32,6 +44,7 @@ class CausalLM(nn.Module):
     self_attn.attend (layers.DecoderLayer: the layer graphs of the fast path rely on that split)."""
 
     layer_class: type[nn.Module] = DecoderLayer
+    graph_layers = True  # whether model/graphs.py's layer graphs compute this family's layer (Llama's)
 
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None, fused: bool = True):
         super().__init__()
@@ -46,11 +59,19 @@ class CausalLM(nn.Module):
     def post_load(self, device: torch.device, dtype: torch.dtype) -> None:
         """Build non-persistent state (rotary table) once real weights are in place."""
         self.model.rotary.build(device, dtype)
+        if self.model.rotary_local is not None:
+            self.model.rotary_local.build(device, dtype)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [T] -> [T, hidden] (Gemma scales them)."""
+        return self.model.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden: [T, hidden]
-        h = self.model.embed_tokens(input_ids)
+        h = self.embed(input_ids)
         meta.cos, meta.sin = self.model.rotary.lookup(positions)
+        if self.model.rotary_local is not None:
+            meta.cos_local, meta.sin_local = self.model.rotary_local.lookup(positions)
         for layer in self.model.layers:
             h = layer(h, meta)
         return self.model.norm(h)
@@ -65,4 +86,7 @@ class CausalLM(nn.Module):
             logits = onednn.linear(hidden, self.lm_head_prepacked, None).float()
         else:
             logits = (hidden @ self.output_weight().t()).float()
+        cap = self.cfg.final_softcap  # final logit soft-capping (Gemma 2): elementwise, before the gather
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
         return logits if self.tp is None else self.tp.gather_logits(logits, self.cfg.vocab_size)

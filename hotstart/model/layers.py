@@ -87,6 +87,18 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: scales by (1 + weight) (the checkpoint stores weight - 1), in float32, then casts."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
+# ModelConfig.hidden_act -> the gated MLP's activation
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding with a cos/sin table computed once for max_positions."""
 
@@ -140,7 +152,12 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.scale = self.head_dim**-0.5
+        self.scale = cfg.attn_scale if cfg.attn_scale is not None else self.head_dim**-0.5
+        self.softcap = cfg.attn_softcap  # attention logit soft-capping (Gemma 2), None: none
+        # Set by the Backbone from the layer's index: its window (None: full attention) and whether it is a
+        # "sliding_attention" layer (Gemma 3: those use the local RoPE, even with a null window).
+        self.window: int | None = None
+        self.sliding = False
         # Set by the engine: [KVH, num_slots, D] each (paged: slot = block * block_size + offset).
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
@@ -164,7 +181,7 @@ class Attention(nn.Module):
         q: [T, H, D], k, v: [T, KVH, D] -> o: [T, H * D] (before o_proj)."""
         self.k_cache[:, meta.slot_mapping] = k.transpose(0, 1)  # cache: [KVH, slots, D]
         self.v_cache[:, meta.slot_mapping] = v.transpose(0, 1)
-        o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
+        o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.window, self.softcap)
         return o.reshape(q.shape[0], self.q_size)
 
 
@@ -179,13 +196,21 @@ class GatedMLP(nn.Module):
             self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
             self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act = ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
             gate, up = self.gate_up_proj.forward_split(x)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
+
+
+def rope_of(attn: Attention, meta: AttnMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cos, sin tables ([T, 1, D]) ATTN's layer rotates by: the local ones on sliding layers, if any."""
+    if attn.sliding and meta.cos_local is not None:
+        return meta.cos_local, meta.sin_local
+    return meta.cos, meta.sin
 
 
 class DecoderLayer(nn.Module):
@@ -203,7 +228,7 @@ class DecoderLayer(nn.Module):
     # forward(x) == finish(self_attn.attend(*attn_inputs(x, meta), meta), x).
     def attn_inputs(self, x: torch.Tensor, meta: AttnMetadata):
         """x: [T, hidden] (the layer's input) -> q: [T, H, D], k, v: [T, KVH, D]."""
-        return self.self_attn.project(self.input_layernorm(x), meta.cos, meta.sin)
+        return self.self_attn.project(self.input_layernorm(x), *rope_of(self.self_attn, meta))
 
     def finish(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """o: [T, H * D] (attention output), x: [T, hidden] (the layer's input) -> the next layer's input."""

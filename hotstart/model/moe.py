@@ -163,3 +163,4 @@ class MoECausalLM(CausalLM):
         moe = families.by_name(cfg.family).moe
         self.model.layers = nn.ModuleList(MoEDecoderLayer(cfg, fused, i, moe)
                                           for i in range(cfg.num_hidden_layers))
+        self.model.set_windows(cfg)

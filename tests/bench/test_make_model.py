@@ -120,6 +120,11 @@ def test_real_sizes_match_published_shapes():
     assert params("qwen2-moe", "14b-a2.7b", 151936) == pytest.approx(14.32, abs=0.01)  # Qwen1.5-MoE-A2.7B
     assert params("qwen3-moe", "30b-a3b", 151936) == pytest.approx(30.53, abs=0.01)
 
+    assert params("gemma2", "2b", 256000) == pytest.approx(2.614, abs=0.005)
+    assert params("gemma2", "9b", 256000) == pytest.approx(9.242, abs=0.005)
+    assert params("gemma3", "1b", 262144) == pytest.approx(1.000, abs=0.005)
+    assert params("gemma3", "4b", 262208) == pytest.approx(3.880, abs=0.005)  # without the vision tower
+
 
 def test_a_size_that_does_not_fit_is_refused_in_one_line(tmp_path, default_model_dir):
     res = make(tmp_path / "m", "--family", "qwen3-moe", "--size", "30b-a3b", "--layers", "10000")  # ~6 TB

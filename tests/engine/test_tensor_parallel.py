@@ -33,7 +33,7 @@ from hotstart.model.loader import load_model
 from hotstart.model.parallel import TensorParallel
 
 REPO = Path(__file__).resolve().parents[2]
-FAMILIES = ["qwen2-tp", "qwen3-tp", "llama-tp"]
+FAMILIES = ["qwen2-tp", "qwen3-tp", "llama-tp", "gemma2-tp", "gemma3-tp"]  # gemma: windows, soft-caps
 LOGIT_ATOL = 1e-4
 SERVE = ("--device", "cpu", "--dtype", "float32", "--compile", "off", "--max-num-seqs", "4")
 

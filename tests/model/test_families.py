@@ -92,7 +92,11 @@ def test_config_read_as_transformers_reads_it(tmp_path, family, variant):
     assert cfg.tie_word_embeddings == theirs_cfg.tie_word_embeddings
     assert cfg.max_position_embeddings == theirs_cfg.max_position_embeddings
     assert cfg.rms_norm_eps == theirs_cfg.rms_norm_eps
-    assert cfg.rope.theta == theirs_cfg.rope_parameters["rope_theta"]
+    rope = theirs_cfg.rope_parameters
+    if "full_attention" in rope:  # Gemma 3: one per layer type
+        assert cfg.rope_local.theta == rope["sliding_attention"]["rope_theta"]
+        rope = rope["full_attention"]
+    assert cfg.rope.theta == rope["rope_theta"]
 
 
 def _logits(folder: str, ids: torch.Tensor, state: dict | None = None):
@@ -117,40 +121,56 @@ WINDOWS = [
     ("qwen3", {"use_sliding_window": True, "sliding_window": 8,
                "layer_types": ["full_attention", "sliding_attention", "full_attention"]}),
     ("qwen3", {"use_sliding_window": True, "sliding_window": 8, "layer_types": ["full_attention"] * 3}),
+    ("gemma2", {}),  # layer_types written by transformers
+    ("gemma2", {"layer_types": DROP}),  # absent: every other layer, from layer 0
+    ("gemma3", {"layer_types": DROP, "sliding_window_pattern": 2}),
 ]
 
 
 @pytest.mark.parametrize("family,changes", WINDOWS, ids=[f"{f}-{i}" for i, (f, _) in enumerate(WINDOWS)])
-def test_a_window_is_refused_exactly_where_transformers_masks(tmp_path, family, changes):
+def test_windows_are_read_as_transformers_reads_them(tmp_path, family, changes):
+    """The window of each layer, as transformers' config gives it (and a window masks only where it does)."""
+    from transformers import AutoConfig
+
     folder = _write(tmp_path, family, **changes)
+    theirs = AutoConfig.from_pretrained(folder)
+    cfg = load_model_config(folder)
+    window = getattr(theirs, "sliding_window", None)
+    types = getattr(theirs, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    if family == "mistral":
+        types = ["sliding_attention"] * cfg.num_hidden_layers  # Mistral's code slides every layer
+    want = [window if t == "sliding_attention" else None for t in types]
+    assert [cfg.layer_window(i) for i in range(cfg.num_hidden_layers)] == want
+    cfg.check_context(1 << 20)  # implemented: never refused
     ids = torch.arange(1, 25).unsqueeze(0)  # 24 tokens: past a window of 8, within one of 64
     windowed, state = _logits(folder, ids)
-    plain = {k: DROP for k in ("sliding_window", "use_sliding_window", "layer_types", "max_window_layers")}
-    # the same weights without a window
+    plain = {k: DROP for k in ("sliding_window", "use_sliding_window", "layer_types", "max_window_layers",
+                               "sliding_window_pattern")}
+    if family.startswith("gemma"):
+        plain = {"sliding_window": 4096}  # (transformers' Gemma code cannot run without a window)
     full, _ = _logits(_write(tmp_path / "full", family, **plain), ids, state)
     masks = not torch.allclose(windowed, full, atol=1e-6)
+    assert masks == any(w is not None and w < 24 for w in want)
+
+
+def test_gemma3_rope_fields_of_older_files(tmp_path):
+    """rope_theta / rope_scaling (the global layers) and rope_local_base_freq (the sliding ones)."""
+    from transformers import AutoConfig
+
+    folder = _write(tmp_path, "gemma3", rope_parameters=DROP, rope_theta=500000.0,
+                    rope_local_base_freq=20000.0, rope_scaling={"rope_type": "linear", "factor": 8.0})
+    theirs = AutoConfig.from_pretrained(folder).rope_parameters
     cfg = load_model_config(folder)
-    try:
-        cfg.check_context(ids.shape[1])
-        refused = False
-    except ModelConfigError as e:
-        refused = True
-        assert "field 'sliding_window' (8)" in str(e) and "--max-model-len 8 or less" in str(e)
-        assert str(e).startswith(f"{folder}/config.json: ") and "\n" not in str(e)
-    assert refused == masks
+    glob, local = theirs["full_attention"], theirs["sliding_attention"]
+    assert (cfg.rope.theta, cfg.rope.type, cfg.rope.factor) == (glob["rope_theta"], "linear", glob["factor"])
+    assert (cfg.rope_local.theta, cfg.rope_local.type) == (local["rope_theta"], local["rope_type"]) == \
+        (20000.0, "default")
 
 
-def test_the_served_context_decides(tmp_path):
+def test_the_served_context_is_not_bounded_by_the_window(tmp_path):
     folder = _write(tmp_path, "mistral", sliding_window=256)
-    cfg = load_model_config(folder)  # loads: the window matters only once the context passes it
-    with pytest.raises(ModelConfigError, match=r"config.json: field 'sliding_window' \(256\) is shorter "
-                                               r"than the context to serve \(1024 tokens\)"):
-        max_model_len_for(EngineConfig(model_path=folder), cfg)  # default: max_position_embeddings
-    assert max_model_len_for(EngineConfig(model_path=folder, max_model_len=256), cfg) == 256
-    qwen2 = _write(tmp_path / "q", "qwen2", use_sliding_window=True, sliding_window=100, max_window_layers=0)
-    opt_in = r"'use_sliding_window' is true and field 'sliding_window' \(100\)"
-    with pytest.raises(ModelConfigError, match=opt_in):
-        max_model_len_for(EngineConfig(model_path=qwen2, max_model_len=101), load_model_config(qwen2))
+    cfg = load_model_config(folder)
+    assert max_model_len_for(EngineConfig(model_path=folder), cfg) == 1024  # max_position_embeddings
     null = _write(tmp_path / "m", "mistral", sliding_window=None)
     assert load_model_config(null).sliding_window is None  # null: full attention (Mistral-7B-v0.2 on)
 
@@ -171,8 +191,13 @@ def test_the_served_context_decides(tmp_path):
     ("qwen2", {"use_sliding_window": True, "layer_types": ["full_attention", "chunked_attention", "x"]},
      r"field 'layer_types' must list one of full_attention, sliding_attention per layer \(3\)"),
     ("mistral", {"sliding_window": 0}, r"field 'sliding_window' must be a positive int or null"),
-    ("llama", {"architectures": ["Gemma2ForCausalLM"]},
-     r"architecture 'Gemma2ForCausalLM' is not supported yet"),
+    ("llama", {"architectures": ["Gemma3ForConditionalGeneration"]},
+     r"architecture 'Gemma3ForConditionalGeneration' is not supported: the multimodal Gemma 3"),
+    ("gemma2", {"use_bidirectional_attention": True},
+     r"field 'use_bidirectional_attention' is not supported"),
+    ("gemma3", {"attn_logit_softcapping": 50.0},
+     r"field 'attn_logit_softcapping' is not supported for gemma3"),
+    ("gemma2", {"hidden_activation": "gelu"}, r"field 'hidden_activation' 'gelu' is not supported"),
 ])
 def test_features_not_implemented_are_refused_naming_the_field(tmp_path, family, changes, message):
     folder = _write(tmp_path, family, **changes)
@@ -217,17 +242,18 @@ def test_readme_model_table_is_the_family_table():
                                               "print(families.model_table())'` over the model table"
 
 
-def test_cli_refuses_a_short_window_in_one_line(tiny_checkpoint, default_model_dir, tmp_path):
-    folder = tmp_path / "mistral"
-    shutil.copytree(tiny_checkpoint("mistral"), folder)
+def test_cli_refuses_multimodal_gemma3_in_one_line(tiny_checkpoint, default_model_dir, tmp_path):
+    folder = tmp_path / "gemma3"
+    shutil.copytree(tiny_checkpoint("gemma3"), folder)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(default_model_dir / name, folder / name)
     raw = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**raw, "sliding_window": 64}))
+    raw["architectures"] = ["Gemma3ForConditionalGeneration"]
+    (folder / "config.json").write_text(json.dumps(raw))
     out = subprocess.run([sys.executable, "-m", "hotstart", "generate", str(folder), "--prompt", "hi"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines() == [
-        f"hotstart: error: {folder}/config.json: field 'sliding_window' (64) is shorter than the context to "
-        "serve (1024 tokens): sliding-window attention is not implemented yet; serve with --max-model-len 64 "
-        "or less"]
+        f"hotstart: error: {folder}/config.json: architecture 'Gemma3ForConditionalGeneration' is not "
+        "supported: the multimodal Gemma 3 (vision tower) is not served; text-only Gemma3ForCausalLM "
+        "checkpoints are"]

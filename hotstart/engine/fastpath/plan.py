@@ -46,6 +46,8 @@ def compile_plan(core, mode: str, packing: bool) -> tuple[S, str]:
         return S.OFF, "tensor parallel (the layer graphs hold no collectives)"
     if core.runner.model.cfg.num_experts:
         return S.OFF, "mixture of experts (the layer graphs have a dense MLP)"
+    if not getattr(core.runner.model, "graph_layers", True):
+        return S.OFF, "this family's layers are not split for layer graphs (Gemma)"
     if core.placement.device.type != "cpu" or core.runner.model.fused:
         return S.OFF, "the layer graphs are built for CPU engines"
     if shutil.which(cxx) is None:

@@ -1,5 +1,5 @@
-"""Qwen2 / Qwen2.5: the Llama layer with a bias on q/k/v (none on o_proj or the MLP); its sliding window
-(`use_sliding_window`) is served only where it masks nothing (hotstart/families.py)."""
+"""Qwen2 / Qwen2.5: the Llama layer with a bias on q/k/v (none on o_proj or the MLP); with
+`use_sliding_window`, a window on the layers from `max_window_layers` on (hotstart/families.py)."""
 
 from __future__ import annotations
 
