@@ -19,7 +19,7 @@ from hotstart.errors import HotstartError
 class EngineHandle:
     """An EngineClient, its loop thread, and what it takes to stop it all (close() is idempotent)."""
 
-    def __init__(self, model: str, revision: str | None, engine_kwargs: dict[str, Any],
+    def __init__(self, model: str | None, revision: str | None, engine_kwargs: dict[str, Any],
                  process: bool) -> None:
         from hotstart.boot.resolve import resolve_model  # noqa: PLC0415 - the start, in order
         from hotstart.forkserver.client import EngineLauncher  # noqa: PLC0415

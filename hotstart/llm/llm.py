@@ -5,7 +5,6 @@ interpreter exit: no engine or forkserver process outlives it."""
 from __future__ import annotations
 
 import asyncio
-import atexit
 import concurrent.futures
 import itertools
 import time
@@ -43,11 +42,12 @@ def _close_handle(handle: EngineHandle) -> None:
 class LLM:
     """LLM(model, dtype="auto", tensor_parallel_size=1, max_model_len=None, seed=0, ...).
 
-    MODEL is what `hotstart serve` takes (a folder, a Hugging Face id, s3://...). ENGINE "process" (the
+    MODEL is what `hotstart serve` takes (a folder, a Hugging Face id, s3://...; None: the default
+    model). ENGINE "process" (the
     default) runs the engine in a process forked from the warm forkserver (or this user's zygote), as
     `serve` does; "inprocess" builds it in this process (imports torch here)."""
 
-    def __init__(self, model: str, *, tokenizer: str | None = None, revision: str | None = None,
+    def __init__(self, model: str | None = None, *, tokenizer: str | None = None, revision: str | None = None,
                  engine: str = "process", max_num_seqs: int = 256, **kwargs: Any) -> None:
         if engine not in ("process", "inprocess"):
             raise ValueError(f"engine must be 'process' or 'inprocess', got {engine!r}")
@@ -61,9 +61,9 @@ class LLM:
         self._handle = EngineHandle(model, revision, engine_kwargs, engine == "process")
         self.tokenizer = self._handle.tokenizer
         self.model = model
-        # stop at del / gc / exit, whichever comes first (the finalizer holds the handle, not self)
+        # stop at del / gc / interpreter exit (a finalizer runs at exit too), whichever comes first; it
+        # holds the handle, not self
         self._finalizer = weakref.finalize(self, _close_handle, self._handle)
-        atexit.register(self._finalizer)
 
     # --- lifecycle ----------------------------------------------------------------------------
     def close(self) -> None:
@@ -128,6 +128,8 @@ class LLM:
 
     def _run(self, items: list[tuple[str | None, list[int]]], sampling_params: Any,
              use_tqdm: bool) -> list[RequestOutput]:
+        if self._handle.client is None:
+            raise RuntimeError("this LLM is closed")
         if sampling_params is None:
             sampling_params = SamplingParams()
         per = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(
@@ -136,8 +138,6 @@ class LLM:
             raise ValueError(f"{len(per)} sampling params for {len(items)} prompts")
         vocab = getattr(self.tokenizer, "vocab_size", None)
         wire = [sp.to_wire(len(ids), self.max_model_len, vocab) for sp, (_, ids) in zip(per, items)]
-        if self._handle.client is None:
-            raise RuntimeError("this LLM is closed")
         done = [0]
         future = self._handle.submit(self._all(items, per, wire, done))
         with progress_bar(len(items), use_tqdm) as bar:
