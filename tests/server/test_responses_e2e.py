@@ -69,7 +69,7 @@ def test_agents_sdk_agent_with_a_function_tool(server):
         return f"sunny in {city}"
 
     async def main():
-        oai = AsyncOpenAI(base_url=server.url + "/v1", api_key="sk-test", max_retries=0, timeout=120)
+        oai = AsyncOpenAI(base_url=server.url + "/v1", api_key="sk-test", max_retries=0, timeout=600)
         agent = Agent(name="weather", instructions="Answer with the get_weather tool.", tools=[get_weather],
                       model=OpenAIResponsesModel(model=MODEL, openai_client=oai),
                       model_settings=ModelSettings(tool_choice="get_weather", temperature=0, max_tokens=60),
