@@ -27,9 +27,11 @@ from hotstart.server.gate import Gate, error_response, json_response
 from hotstart.server.generation import Generation, GenerationError, close_shielded, unless_disconnected
 from hotstart.server.logprobs import LogprobsFormat
 from hotstart.server.metrics import CONTENT_TYPE, Metrics
+from hotstart.server.responses_serving import ResponsesServing
 from hotstart.server.schemas import ChatCompletionRequest, CompletionRequest, decode_request, read_body
 from hotstart.server.sse import SSEResponse, sse_events
 from hotstart.server.structured import request_grammar
+from hotstart.server.tokenize import TokenizeServing
 from hotstart.server.tools import chat_grammar, chat_message, detect_parser, template_messages
 from hotstart.server.validation import (
     MAX_N,
@@ -317,6 +319,12 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, settings: ApiSettings)
     app.add_api_route("/v1/completions", serving.completions, methods=["POST"])
     app.add_api_route("/v1/models", serving.list_models, methods=["GET"])
     app.add_api_route("/v1/models/{name:path}", serving.get_model, methods=["GET"])
+    responses = ResponsesServing(serving)
+    app.state.responses = responses
+    app.add_api_route("/v1/responses", responses.create, methods=["POST"])
+    tokens = TokenizeServing(serving)
+    app.add_api_route("/tokenize", tokens.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", tokens.detokenize, methods=["POST"])
     app.add_api_route("/health", serving.health, methods=["GET"])
     app.add_api_route("/startup", serving.startup, methods=["GET"])
     app.add_api_route("/metrics", serving.prometheus, methods=["GET"])

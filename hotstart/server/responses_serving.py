@@ -1,0 +1,178 @@
+"""`POST /v1/responses` over OpenAIServing (torch-free): the request through chat's preparation, the answer
+as a Response object or as the documented event stream (server/responses.py has the conversions).
+
+Stream events, each with `type` and `sequence_number`: response.created, response.in_progress, then per
+output item response.output_item.added, (a message) response.content_part.added,
+response.output_text.delta ..., response.output_text.done, response.content_part.done, (a function call)
+response.function_call_arguments.delta / .done, response.output_item.done; last response.completed
+(response.incomplete when max_output_tokens cut the answer, response.failed on an engine failure).
+With function tools the answer is parsed whole, so its items are sent once it is complete.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from hotstart.server.client import EngineDeadError
+from hotstart.server.errors import ApiError
+from hotstart.server.gate import json_response
+from hotstart.server.generation import Generation, GenerationError, close_shielded, unless_disconnected
+from hotstart.server.responses import (
+    ResponsesRequest,
+    ResponseStore,
+    answer_messages,
+    chat_request,
+    check_unsupported,
+    message_item,
+    new_id,
+    now,
+    output_items,
+    response_object,
+)
+from hotstart.server.schemas import decode_request, read_body
+from hotstart.server.sse import SSEResponse
+from hotstart.server.tools import chat_message
+
+if TYPE_CHECKING:
+    from hotstart.server.api import OpenAIServing
+
+_json = msgspec.json.Encoder()
+
+
+class ResponsesServing:
+    """The Responses endpoint of SERVING, with its store of past conversations."""
+
+    def __init__(self, serving: OpenAIServing, store: ResponseStore | None = None) -> None:
+        self.serving = serving
+        self.store = store or ResponseStore()
+
+    async def create(self, request: Request) -> Response:
+        t0 = time.perf_counter()
+        s = self.serving
+        req = decode_request(await read_body(request, s.settings.max_request_bytes), ResponsesRequest)
+        check_unsupported(req)
+        history: list[dict[str, Any]] = []
+        if req.previous_response_id is not None:
+            found = self.store.get(req.previous_response_id)
+            if found is None:
+                raise ApiError(404, f"Previous response with id '{req.previous_response_id}' not found.",
+                               param="previous_response_id", code="previous_response_not_found")
+            history = found
+        chat, conversation = chat_request(req, history)
+        model, ids, params = s.prepare_chat(chat)
+        rid = new_id("resp")
+        s.metrics.prompt_tokens.inc(len(ids))
+        gen = Generation(s.engine, s.tokenizer, rid, ids, params, [], s.metrics, t0, s.mark_served)
+        forced = chat.tool_choice not in (None, "auto", "none")
+        parse = chat.tools and (forced or (chat.tool_choice != "none" and s.settings.auto_tool_choice))
+        parser = s.tool_parser if parse else None
+        run = _Run(self, req, model, rid, gen, parser, conversation)
+        if req.stream:
+            return SSEResponse(run.events())
+        try:
+            finished, _ = await unless_disconnected(request.receive, lambda: s.collect(gen))
+        except (EngineDeadError, GenerationError) as e:
+            raise s.engine_error(e) from None
+        if not finished:
+            return Response(status_code=499)  # nobody reads it
+        return json_response(run.finish(output_items(run.answer()[0])))
+
+
+class _Run:
+    """One response: its head, its end (stored), its event stream."""
+
+    def __init__(self, owner: ResponsesServing, req: ResponsesRequest, model: str, rid: str, gen: Generation,
+                 parser: str | None, conversation: list[dict[str, Any]]) -> None:
+        self.owner, self.req, self.model, self.rid, self.gen = owner, req, model, rid, gen
+        self.parser, self.conversation, self.created = parser, conversation, now()
+        self.seq = 0
+
+    def answer(self) -> tuple[dict[str, Any], str | None]:
+        c = self.gen.choices[0]
+        return chat_message(self.parser, c.text, c.finish_reason)
+
+    def finish(self, items: list[dict[str, Any]]) -> dict[str, Any]:
+        reason = self.gen.choices[0].finish_reason
+        status = "incomplete" if reason == "length" else "completed"
+        if self.req.store is not False:
+            self.owner.store.put(self.rid, self.conversation + answer_messages(items))
+        return response_object(self.rid, self.req, self.model, self.created, status, items,
+                               self.gen.usage(), reason)
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        body = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return b"event: " + kind.encode() + b"\ndata: " + _json.encode(body) + b"\n\n"
+
+    async def events(self) -> AsyncIterator[bytes]:
+        head = response_object(self.rid, self.req, self.model, self.created, "in_progress", [], None)
+        yield self.event("response.created", response=head)
+        yield self.event("response.in_progress", response=head)
+        streamed = self.parser is None  # text is sent as it comes; with tools, once parsed
+        msg_id = new_id("msg")
+        if streamed:
+            for b in self.open_message(0, msg_id):
+                yield b
+        text: list[str] = []
+        stream = self.gen.deltas()
+        try:
+            async for delta in stream:
+                if streamed and delta.text:
+                    text.append(delta.text)
+                    yield self.event("response.output_text.delta", item_id=msg_id, output_index=0,
+                                     content_index=0, delta=delta.text, logprobs=[])
+        except Exception as e:  # noqa: BLE001 - the stream has begun: the failure is an event
+            err = self.owner.serving.engine_error(e)
+            failed = {**head, "status": "failed", "error": {"code": err.code, "message": err.message}}
+            yield self.event("response.failed", response=failed)
+            return
+        finally:
+            await close_shielded(stream)
+        if streamed:
+            items = [message_item("".join(text), msg_id)]
+            for b in self.close_message(0, items[0]):
+                yield b
+        else:
+            items = output_items(self.answer()[0])
+            for i, item in enumerate(items):
+                for b in self.whole_item(i, item):
+                    yield b
+        final = self.finish(items)
+        kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+        yield self.event(kind, response=final)
+
+    def open_message(self, index: int, msg_id: str) -> list[bytes]:
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return [self.event("response.output_item.added", output_index=index,
+                           item=message_item("", msg_id, "in_progress")),
+                self.event("response.content_part.added", item_id=msg_id, output_index=index,
+                           content_index=0, part=part)]
+
+    def close_message(self, index: int, item: dict[str, Any]) -> list[bytes]:
+        part = item["content"][0]
+        ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        return [self.event("response.output_text.done", **ids, text=part["text"], logprobs=[]),
+                self.event("response.content_part.done", **ids, part=part),
+                self.event("response.output_item.done", output_index=index, item=item)]
+
+    def whole_item(self, index: int, item: dict[str, Any]) -> list[bytes]:
+        if item["type"] == "message":
+            out = self.open_message(index, item["id"])
+            text = item["content"][0]["text"]
+            if text:
+                out.append(self.event("response.output_text.delta", item_id=item["id"], output_index=index,
+                                      content_index=0, delta=text, logprobs=[]))
+            return out + self.close_message(index, item)
+        ids = {"item_id": item["id"], "output_index": index}
+        return [self.event("response.output_item.added", output_index=index,
+                           item={**item, "arguments": "", "status": "in_progress"}),
+                self.event("response.function_call_arguments.delta", **ids, delta=item["arguments"]),
+                self.event("response.function_call_arguments.done", **ids, name=item["name"],
+                           arguments=item["arguments"]),
+                self.event("response.output_item.done", output_index=index, item=item)]
