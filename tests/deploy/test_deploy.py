@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from util import deploy_metric_names
 
 from hotstart.cli import build_parser
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 MANIFESTS = sorted((DEPLOY / "kubernetes").glob("*.yaml"))
 UVICORN_GRACE_S = 3  # server/launch.py GRACEFUL_SHUTDOWN_S
-METRIC = re.compile(r"\b(vllm:[a-z_:]+|hotstart_[a-z_]+)")
 
 
 def docs() -> list[dict]:
@@ -103,10 +103,6 @@ def live_metric_names() -> set[str]:
     m.update_engine(EngineStats(), True)
     return {line.split("{")[0].split(" ")[0] for line in m.render().decode().splitlines()
             if line and not line.startswith("#")}
-
-
-def deploy_metric_names() -> set[str]:
-    return {n for f in DEPLOY.rglob("*") if f.is_file() for n in METRIC.findall(f.read_text())}
 
 
 def test_every_metric_deploy_uses_exists():

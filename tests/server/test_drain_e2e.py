@@ -9,10 +9,10 @@ import time
 
 import httpx
 import pytest
-from util import Server
+from util import Server, deploy_metric_names
 
 pytestmark = pytest.mark.e2e
-BODY = {"model": "SmolLM2-135M-Instruct", "max_tokens": 96, "ignore_eos": True, "stream": True,
+BODY = {"model": "SmolLM2-135M-Instruct", "max_tokens": 24, "ignore_eos": True, "stream": True,
         "temperature": 0, "messages": [{"role": "user", "content": "Tell me a long story about a cat."}]}
 
 
@@ -40,7 +40,10 @@ class Stream(threading.Thread):
 
 
 def test_sigterm_drains_streams_refuses_new_requests_and_exits(default_model_dir):
-    s = Server("--max-model-len", "512", "--shutdown-timeout", "60")
+    s = Server("--max-model-len", "512", "--shutdown-timeout", "120")
+    live = httpx.get(s.url + "/metrics").text  # every metric name deploy/ uses is served
+    names = {x.split("{")[0].split(" ")[0] for x in live.splitlines() if x and not x.startswith("#")}
+    assert deploy_metric_names() <= names, deploy_metric_names() - names
     streams = [Stream(s.url) for _ in range(3)]
     for t in streams:
         t.start()
@@ -49,7 +52,7 @@ def test_sigterm_drains_streams_refuses_new_requests_and_exits(default_model_dir
     assert all(t.is_alive() for t in streams), "the streams ended before SIGTERM: make them longer"
     stop: dict = {}
     t_sig = time.perf_counter()
-    stopper = threading.Thread(target=lambda: stop.update(s=s.stop(timeout=60)), daemon=True)
+    stopper = threading.Thread(target=lambda: stop.update(s=s.stop(timeout=150)), daemon=True)
     stopper.start()
     refused_after = health_after = None
     with httpx.Client(timeout=5) as c:
