@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hotstart-installed
 
-.PHONY: setup serve test test-fast lint bench clean peers
+.PHONY: setup serve test test-fast lint bench clean peers nginx
 
 setup: $(STAMP)
 
@@ -24,8 +24,15 @@ serve: setup
 lint: setup
 	$(VENV)/bin/ruff check hotstart tests benchmarks
 
+# nginx for the rolling-restart test (tests/deploy/test_rolling_restart.py), where apt-get can install it
+nginx:
+	@command -v nginx >/dev/null 2>&1 || nginx -v >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || \
+	{ if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx >/dev/null; \
+	  else echo "nginx is not installed: the rolling-restart test will be skipped"; fi; }
+
 # everything: the linter, then every test (the README's test command, and CI's)
-test: setup lint
+test: setup lint nginx
 	$(PY) -m pytest -q tests $(ARGS)
 
 # the fast tier: no test that starts a process or a server (tests/conftest.py marks those e2e)

@@ -99,6 +99,10 @@ class ServeConfig:
                 "mapping: no copy); auto: the zero-copy default on local disks, preadv on network "
                 "filesystems",
         choices=["auto", "preadv", "readahead", "fadvise", "madvise"])
+    shutdown_timeout: int = option(
+        25, "seconds SIGTERM waits for requests in flight (new ones get 503, /health turns 503 at once) "
+            "before ending them with an error and exiting; fits Kubernetes' default 30 s grace period",
+        type=non_negative)
     restart: bool = option(True, "do not replace a dead engine or forkserver", flag="--no-restart",
                            action="store_false")
     zygote: str = option("auto", "auto: fork the engine from this user's running `hotstart zygote` (torch "

@@ -26,6 +26,14 @@ def no_torch_in(module: str) -> tuple[bool, str]:
     return not heavy, ",".join(heavy)
 
 
+def deploy_metric_names() -> set[str]:
+    """The Prometheus series names (vllm:*, hotstart_*) that deploy/'s files use."""
+    import re
+
+    metric = re.compile(r"\b(vllm:[a-z_:]+|hotstart_[a-z_]+)")
+    return {n for f in (REPO / "deploy").rglob("*") if f.is_file() for n in metric.findall(f.read_text())}
+
+
 def tagged(tag: str) -> list:
     """Live processes whose environment carries HOTSTART_TEST_TAG=TAG (inherited by every descendant,
     so leftovers are found even after they were re-parented)."""

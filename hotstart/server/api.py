@@ -23,7 +23,7 @@ from starlette.responses import Response
 
 from hotstart.server.client import EngineDeadError
 from hotstart.server.errors import ApiError, bad_param, describe
-from hotstart.server.gate import Gate, error_response, json_response
+from hotstart.server.gate import Drain, Gate, error_response, json_response
 from hotstart.server.generation import Generation, GenerationError, close_shielded, unless_disconnected
 from hotstart.server.logprobs import LogprobsFormat
 from hotstart.server.metrics import CONTENT_TYPE, Metrics
@@ -90,7 +90,8 @@ class OpenAIServing:
         if not settings.served_model_names:
             raise ValueError("ApiSettings.served_model_names must name at least one model")
         self.engine, self.tokenizer, self.settings = engine, tokenizer, settings
-        self.metrics = Metrics()
+        self.metrics = Metrics(settings.served_model_names[0])
+        self.drain = Drain()  # SIGTERM's (server/launch.py): the gate refuses new requests while it drains
         self.names = list(settings.served_model_names)
         self.created = int(time.time())
         self.vocab_size = settings.vocab_size or getattr(tokenizer, "vocab_size", None)
@@ -192,8 +193,10 @@ class OpenAIServing:
         """Generate: an SSE stream if `req.stream`, else the whole answer (499 if the client left)."""
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.metrics.prompt_tokens.inc(len(ids))
+        self.metrics.vllm.prompt_tokens.labels(model).inc(len(ids))
         gen = Generation(self.engine, self.tokenizer, rid, ids, params, stop_strings(req), self.metrics, t0,
                          self.mark_served)
+        gen.interrupted = lambda: self.drain.forced
         head: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                                 "created": int(time.time()), "model": model}
         if chat:
@@ -281,6 +284,10 @@ class OpenAIServing:
             return json_response({"status": "ready"})
         return json_response({"status": self.engine.status}, 503)
 
+    async def live(self) -> Response:
+        """Liveness: 200 while the process serves HTTP at all (starting, ready or draining)."""
+        return json_response({"status": "alive"})
+
     async def startup(self, request: Request) -> Response:
         # app.state.prefetch_stats: the serve command sets it once the prefetcher exists
         state = request.app.state
@@ -288,6 +295,7 @@ class OpenAIServing:
 
     async def prometheus(self) -> Response:
         self.metrics.update_engine(self.engine.stats, self.engine.ready)
+        self.metrics.draining.set(1 if self.drain.draining else 0)
         self.metrics.update_fast_path(self.engine.fast_path)
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
@@ -312,7 +320,8 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, settings: ApiSettings)
     app.state.set_startup_seconds = serving.metrics.set_startup_duration
     app.state.prefetch_stats = None
     app.state.download_stats = None  # s3:// models: a callable, its result under "download" in /startup
-    app.add_middleware(Gate, api_key=settings.api_key, metrics=serving.metrics)
+    app.state.drain = serving.drain  # server/launch.py begins (and forces) it on SIGTERM
+    app.add_middleware(Gate, api_key=settings.api_key, metrics=serving.metrics, drain=serving.drain)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_api_route("/v1/chat/completions", serving.chat_completions, methods=["POST"])
@@ -326,6 +335,7 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, settings: ApiSettings)
     app.add_api_route("/tokenize", tokens.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", tokens.detokenize, methods=["POST"])
     app.add_api_route("/health", serving.health, methods=["GET"])
+    app.add_api_route("/live", serving.live, methods=["GET"])
     app.add_api_route("/startup", serving.startup, methods=["GET"])
     app.add_api_route("/metrics", serving.prometheus, methods=["GET"])
     return app

@@ -1,9 +1,12 @@
-"""The ASGI gate in front of every endpoint: API key, request counting, last-resort 500 (torch-free)."""
+"""The ASGI gate in front of every endpoint: API key, request counting, the drain (SIGTERM), last-resort 500
+(torch-free)."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
+import time
 from typing import Any
 
 import msgspec
@@ -15,7 +18,11 @@ from hotstart.server.metrics import Metrics
 log = logging.getLogger("hotstart")
 _json = msgspec.json.Encoder()
 # the endpoints counted by name in /metrics; anything else is "other" (a fixed label set)
-ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/startup", "/metrics"}
+ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/live", "/startup",
+             "/metrics"}
+# answered while draining: the probes and what observes the server; every other path is refused then
+PROBE_PATHS = frozenset({"/health", "/live", "/startup", "/metrics"})
+RETRY_AFTER_S = 1
 
 
 def json_response(obj: Any, status: int = 200) -> Response:
@@ -26,15 +33,57 @@ def error_response(err: ApiError) -> Response:
     return json_response(err.body(), err.status)
 
 
+class Drain:
+    """The server's drain (SIGTERM, server/launch.py): from begin() on, /health answers 503 "draining" and
+    new requests 503 with Retry-After, while the requests in flight (counted by the gate: every path but
+    PROBE_PATHS, a stream until its last byte) run to their end. `forced` (a second signal, or the
+    shutdown timeout): what is still generating ends with an error (Generation's `interrupted`)."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.forced = False
+        self.in_flight = 0
+        self.began_at: float | None = None  # time.monotonic() of begin()
+
+    def begin(self) -> None:
+        if not self.draining:
+            self.draining, self.began_at = True, time.monotonic()
+
+    def force(self) -> None:
+        self.begin()
+        self.forced = True
+
+    async def wait_idle(self, timeout: float, poll: float = 0.01) -> bool:
+        """True once nothing is in flight, False if TIMEOUT passes (or the drain is forced) first."""
+        deadline = time.monotonic() + timeout
+        while self.in_flight and not self.forced and time.monotonic() < deadline:
+            await asyncio.sleep(poll)
+        return not self.in_flight
+
+    def refusal(self) -> Response:
+        err = ApiError(503, "the server is shutting down: retry the request (on another replica)",
+                       code="server_draining")
+        resp = error_response(err)
+        resp.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return resp
+
+    def health(self) -> Response:
+        resp = json_response({"status": "draining", "in_flight": self.in_flight}, 503)
+        resp.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return resp
+
+
 class Gate:
-    """Pure ASGI middleware: the API-key check (every path but /health), request counting by status,
-    and the last resort for unexpected exceptions: a one-line log and an OpenAI-shaped 500, never a
-    traceback (Starlette's ServerErrorMiddleware would answer, then re-raise it to uvicorn's log)."""
+    """Pure ASGI middleware: the API-key check (every path but /health and /live), request counting by
+    status, the drain (Drain above), and the last resort for unexpected exceptions: a one-line log and an
+    OpenAI-shaped 500, never a traceback (Starlette's ServerErrorMiddleware would answer, then re-raise it
+    to uvicorn's log)."""
 
-    OPEN_PATHS = frozenset({"/health"})
+    OPEN_PATHS = frozenset({"/health", "/live"})
 
-    def __init__(self, app, api_key: str | None, metrics: Metrics) -> None:
+    def __init__(self, app, api_key: str | None, metrics: Metrics, drain: Drain | None = None) -> None:
         self.app, self.metrics = app, metrics
+        self.drain = drain if drain is not None else Drain()
         self.key = api_key.encode() if api_key else None
 
     def authorized(self, scope) -> bool:
@@ -64,12 +113,23 @@ class Gate:
                 status, started = message["status"], True
             await send(message)
 
+        counted = path not in PROBE_PATHS
+        drain = self.drain
         try:
             if self.key is not None and path not in self.OPEN_PATHS and not self.authorized(scope):
                 err = ApiError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`",
                                code="invalid_api_key")
                 return await error_response(err)(scope, receive, send_counted)
-            await self.app(scope, receive, send_counted)
+            if drain.draining and (counted or path == "/health"):
+                resp = drain.refusal() if counted else drain.health()
+                return await resp(scope, receive, send_counted)
+            if counted:
+                drain.in_flight += 1
+            try:
+                await self.app(scope, receive, send_counted)
+            finally:
+                if counted:
+                    drain.in_flight -= 1
         except Exception as exc:  # noqa: BLE001 - the last resort: answer, log one line, keep serving
             log.error("hotstart: internal error on %s: %s", path, describe(exc))
             if not started:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from hotstart.messages import TokenOutput
+from hotstart.server.client import EngineDeadError
 from hotstart.text.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
@@ -141,6 +142,10 @@ class Generation:
         # prompt tokens 1..P-1 (echo with logprobs), from the engine's first output
         self.prompt_logprobs: list[TokenLogprobs] | None = None
         self._first_token = True
+        self.t_first: float | None = None  # perf_counter of the first token
+        self._t_last = 0.0
+        # the server's drain was forced (server/gate.py Drain): end with an error instead of generating on
+        self.interrupted: Callable[[], bool] | None = None
 
     @property
     def finish_reason(self) -> str | None:
@@ -161,15 +166,14 @@ class Generation:
         open_choices = len(self.choices)
         try:
             async for out in agen:
+                if self.interrupted is not None and self.interrupted():
+                    raise EngineDeadError("the server is shutting down")
                 if out.finish_reason == "error":
                     raise GenerationError(out.error or "the engine could not run this request")
                 if out.prompt_logprobs is not None:
                     self.prompt_logprobs = out.prompt_logprobs
                 if out.new_token_ids:
-                    if self._first_token:
-                        self._first_token = False
-                        self.metrics.ttft.observe(time.perf_counter() - self.t_arrival)
-                    self.metrics.generation_tokens.inc(len(out.new_token_ids))
+                    self._count_tokens(len(out.new_token_ids))
                 # an engine abort (it is shutting down) ends every choice
                 targets = (
                     [c for c in self.choices if c.finish_reason is None]
@@ -189,6 +193,7 @@ class Generation:
                     if delta.finish_reason is not None:
                         open_choices -= 1
                         self.metrics.finished.labels(delta.finish_reason).inc()
+                        self.metrics.vllm.success.labels(self.metrics.model_name, delta.finish_reason).inc()
                         if open_choices and out.finish_reason is None:  # a stop string: stop that choice only
                             await self.engine.abort(self.request_id, choice.index)
                 if not open_choices:
@@ -200,8 +205,26 @@ class Generation:
             # abort must still reach the engine so the request's KV blocks are freed
             await close_shielded(agen)
 
+    def _count_tokens(self, n: int) -> None:
+        """Token counters, TTFT (the first output) and inter-token latency (the others, per token)."""
+        now, m = time.perf_counter(), self.metrics
+        v, model = m.vllm, m.model_name
+        if self._first_token:
+            self._first_token, self.t_first = False, now
+            m.ttft.observe(now - self.t_arrival)
+            v.ttft.labels(model).observe(now - self.t_arrival)
+        else:
+            v.itl.labels(model).observe((now - self._t_last) / n)
+        self._t_last = now
+        m.generation_tokens.inc(n)
+        v.generation_tokens.labels(model).inc(n)
+
     def _finish(self) -> None:
-        self.metrics.e2e.observe(time.perf_counter() - self.t_arrival)
+        now = time.perf_counter()
+        self.metrics.e2e.observe(now - self.t_arrival)
+        ttft = None if self.t_first is None else self.t_first - self.t_arrival
+        tokens = max(c.completion_tokens for c in self.choices)
+        self.metrics.vllm.request_done(now - self.t_arrival, ttft, tokens)
         if self.on_finish is not None:
             self.on_finish(self.finish_reason or "stop")
 

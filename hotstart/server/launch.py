@@ -169,7 +169,7 @@ def run_serve(args: argparse.Namespace, cfg: ServeConfig, t0: float, launcher: E
             client.spawn()  # the serial way: a fresh interpreter, once the API is otherwise ready
         import asyncio  # noqa: PLC0415
 
-        return asyncio.run(_serve(app, sock, client, prefetcher, imports))
+        return asyncio.run(_serve(app, sock, client, prefetcher, imports, cfg.shutdown_timeout))
     finally:
         if remote is not None:
             remote.stop()  # in-flight chunks end; what is written is kept for the next start
@@ -202,7 +202,48 @@ def _imports_done(imports, timeline: Timeline) -> None:
             log.warning("hotstart: WARNING: could not record %s: %s", path, e.strerror or e)
 
 
-async def _serve(app, sock: socket.socket, client, prefetcher, imports=None) -> int:
+class Shutdown:
+    """SIGTERM drains: the gate (server/gate.py Drain) turns /health and new requests to 503 at once, the
+    requests in flight run to their end for up to TIMEOUT seconds, then the server exits. SIGINT, a second
+    SIGTERM or the timeout force it: what is still generating ends with an error event (a 503 if not
+    streamed) and the server exits at once (uvicorn's graceful window bounds the last bytes)."""
+
+    def __init__(self, server, client, drain, timeout: float) -> None:
+        self.server, self.client, self.drain, self.timeout = server, client, drain, timeout
+        self.task = None
+
+    def on_signal(self, sig: int) -> None:
+        import asyncio  # noqa: PLC0415 - loaded already (the event loop runs)
+
+        if sig == signal.SIGTERM and self.drain is not None and not self.drain.draining:
+            self.drain.begin()
+            log.info("hotstart: SIGTERM: draining (%d in flight, up to %s s)", self.drain.in_flight,
+                     self.timeout)
+            self.task = asyncio.get_running_loop().create_task(self._drain())
+            return
+        self.stop(forced=True)
+
+    async def _drain(self) -> None:
+        took = time.monotonic()
+        if await self.drain.wait_idle(self.timeout):
+            log.info("hotstart: drained in %.2f s", time.monotonic() - took)
+            self.stop(forced=False)
+        elif not self.drain.forced:
+            log.warning("hotstart: --shutdown-timeout (%s s) passed: ending %d requests", self.timeout,
+                        self.drain.in_flight)
+            self.stop(forced=True)
+
+    def stop(self, forced: bool) -> None:
+        if forced and self.drain is not None:
+            self.drain.force()
+        self.client.begin_shutdown()
+        if self.server.should_exit and forced:
+            self.server.force_exit = True
+        self.server.should_exit = True
+
+
+async def _serve(app, sock: socket.socket, client, prefetcher, imports=None,
+                 shutdown_timeout: float = 25.0) -> int:
     import uvicorn  # noqa: PLC0415
 
     class Server(uvicorn.Server):
@@ -216,17 +257,9 @@ async def _serve(app, sock: socket.socket, client, prefetcher, imports=None) -> 
     import asyncio  # noqa: PLC0415
 
     loop = asyncio.get_running_loop()
-    signals_seen = []
-
-    def on_signal(sig: int) -> None:
-        signals_seen.append(sig)
-        client.begin_shutdown()
-        if server.should_exit:
-            server.force_exit = True
-        server.should_exit = True
-
+    shutdown = Shutdown(server, client, getattr(app.state, "drain", None), shutdown_timeout)
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal, sig)
+        loop.add_signal_handler(sig, shutdown.on_signal, sig)
 
     def on_fatal(message: str) -> None:  # noqa: ARG001 - printed once, after shutdown
         server.should_exit = True

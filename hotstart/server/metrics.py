@@ -3,6 +3,9 @@
 Each Metrics owns a private CollectorRegistry, so two apps in one process (tests, several servers)
 never collide on metric names. Engine gauges are read from EngineClient.stats when /metrics is
 scraped, not pushed on every engine step, so the busy path pays nothing for them.
+
+The `vllm:*` series are the ones autoscaling rules and dashboards are written against, with vLLM's names,
+meanings and `model_name` label (docs/serving.md lists them); the hotstart_* ones stay as they were.
 """
 
 from __future__ import annotations
@@ -24,14 +27,21 @@ _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
 # The states a layer-graph bucket goes through (engine/fastpath/state.py): the label set of
 # hotstart_compiled_bucket_state.
 BUCKET_STATES = (FastPathState.PLANNED, FastPathState.COMPILING, FastPathState.READY, FastPathState.FAILED)
+# vLLM's inter-token latency buckets
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 
 
 class Metrics:
     """Counters, gauges and histograms of one server; `render()` is the /metrics body."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        self.vllm = VllmMetrics(r, model_name)
+        self.draining = Gauge("hotstart_draining", "1 from SIGTERM on: /health is 503, new requests 503",
+                              registry=r)
         self.requests = Counter("hotstart_http_requests", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("hotstart_prompt_tokens", "Prompt tokens of accepted requests",
@@ -95,6 +105,7 @@ class Metrics:
         self.ready.set(1 if ready else 0)
         if stats is None:
             return
+        self.vllm.update_engine(stats)
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)
@@ -108,3 +119,50 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class VllmMetrics:
+    """vLLM's names for the same quantities, labelled by model_name (as vLLM labels them; one series per
+    served model). Per request: TTFT, inter-token latency, time per output token and end-to-end latency
+    measured in the API process, from the request's arrival to its tokens' delivery to the HTTP layer."""
+
+    def __init__(self, r: CollectorRegistry, model_name: str) -> None:
+        label = ["model_name"]
+        self.model_name = model_name
+        self.running = Gauge("vllm:num_requests_running", "Requests in model execution batches", label,
+                             registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be processed", label,
+                             registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent", label,
+                              registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed (prompt tokens of "
+                                     "accepted requests)", label, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generation tokens processed", label,
+                                         registry=r)
+        self.success = Counter("vllm:request_success", "Finished requests (each choice), by finish reason",
+                               ["model_name", "finished_reason"], registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", label,
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between generated tokens", label,
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.tpot = Histogram("vllm:request_time_per_output_token_seconds",
+                              "Per request: (end-to-end latency - time to first token) / (output tokens - 1)",
+                              label, buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", label,
+                             buckets=_E2E_BUCKETS, registry=r)
+        for m in (self.running, self.waiting, self.kv_usage, self.prompt_tokens, self.generation_tokens,
+                  self.ttft, self.itl, self.tpot, self.e2e):
+            m.labels(model_name)  # every series exists from the first scrape (0), as autoscalers expect
+
+    def update_engine(self, stats: EngineStats) -> None:
+        m = self.model_name
+        self.running.labels(m).set(stats.num_running)
+        self.waiting.labels(m).set(stats.num_waiting)
+        total = stats.kv_blocks_total
+        self.kv_usage.labels(m).set(stats.kv_blocks_used / total if total else 0.0)
+
+    def request_done(self, e2e: float, ttft: float | None, tokens: int) -> None:
+        """One request's end (all its choices): its end-to-end latency and time per output token."""
+        self.e2e.labels(self.model_name).observe(e2e)
+        if ttft is not None and tokens > 1:
+            self.tpot.labels(self.model_name).observe((e2e - ttft) / (tokens - 1))

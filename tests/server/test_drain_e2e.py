@@ -1,0 +1,103 @@
+"""SIGTERM on a real `hotstart serve` with 3 streams in flight: every stream ends normally ([DONE], no
+error), new requests get 503 at once, the process tree exits soon after the last stream ends."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from util import Server, deploy_metric_names
+
+pytestmark = pytest.mark.e2e
+BODY = {"model": "SmolLM2-135M-Instruct", "max_tokens": 24, "ignore_eos": True, "stream": True,
+        "temperature": 0, "messages": [{"role": "user", "content": "Tell me a long story about a cat."}]}
+
+
+class Stream(threading.Thread):
+    """One streaming chat request; `lines` as they come, `ended` the perf_counter of its last line."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url, self.lines, self.ended, self.error = url, [], 0.0, None
+        self.started = threading.Event()
+
+    def run(self) -> None:
+        try:
+            with httpx.stream("POST", self.url + "/v1/chat/completions", json=BODY, timeout=120) as r:
+                assert r.status_code == 200, r.read()
+                for line in r.iter_lines():
+                    if line:
+                        self.lines.append(line)
+                    if len(self.lines) >= 3:
+                        self.started.set()
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            self.error = repr(e)
+        self.ended = time.perf_counter()
+        self.started.set()
+
+
+def test_sigterm_drains_streams_refuses_new_requests_and_exits(default_model_dir):
+    s = Server("--max-model-len", "512", "--shutdown-timeout", "120")
+    live = httpx.get(s.url + "/metrics").text  # every metric name deploy/ uses is served
+    names = {x.split("{")[0].split(" ")[0] for x in live.splitlines() if x and not x.startswith("#")}
+    assert deploy_metric_names() <= names, deploy_metric_names() - names
+    streams = [Stream(s.url) for _ in range(3)]
+    for t in streams:
+        t.start()
+    for t in streams:
+        assert t.started.wait(60), "a stream did not start"
+    assert all(t.is_alive() for t in streams), "the streams ended before SIGTERM: make them longer"
+    stop: dict = {}
+    t_sig = time.perf_counter()
+    stopper = threading.Thread(target=lambda: stop.update(s=s.stop(timeout=150)), daemon=True)
+    stopper.start()
+    refused_after = health_after = None
+    with httpx.Client(timeout=5) as c:
+        while refused_after is None or health_after is None:
+            if health_after is None and c.get(s.url + "/health").status_code == 503:
+                health_after = time.perf_counter() - t_sig
+            if refused_after is None:
+                r = c.post(s.url + "/v1/chat/completions", json={**BODY, "stream": False, "max_tokens": 1})
+                if r.status_code == 503:
+                    assert r.headers["retry-after"] and r.json()["error"]["code"] == "server_draining"
+                    refused_after = time.perf_counter() - t_sig
+            assert time.perf_counter() - t_sig < 5, "no 503 within 5 s of SIGTERM"
+        assert c.get(s.url + "/live").status_code == 200
+    for t in streams:
+        t.join(120)
+    stopper.join(120)
+    for t in streams:
+        assert t.error is None, t.error
+        assert t.lines[-1] == "data: [DONE]", t.lines[-3:]
+        events = [json.loads(x[6:]) for x in t.lines[:-1]]
+        assert not any("error" in e for e in events), events[-2:]
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+    last_stream = max(t.ended for t in streams)
+    exit_after = t_sig + stop["s"] - last_stream
+    print(f"\nSIGTERM: /health 503 after {health_after * 1e3:.0f} ms, new request 503 after "
+          f"{refused_after * 1e3:.0f} ms; streams ended {last_stream - t_sig:.2f} s after it; everything "
+          f"exited {exit_after:.2f} s after the last stream")
+    assert refused_after < 1.0 and health_after < 1.0  # the goal is 100 ms: a loaded CI box gets slack
+    assert exit_after < 5.0
+    assert s.proc.returncode == 0
+
+
+def test_second_sigterm_ends_streams_with_an_error_event(default_model_dir):
+    s = Server("--max-model-len", "512", "--shutdown-timeout", "60")
+    t = Stream(s.url)
+    t.start()
+    assert t.started.wait(60)
+    stop: dict = {}
+    stopper = threading.Thread(target=lambda: stop.update(s=s.stop(timeout=30)), daemon=True)
+    stopper.start()
+    time.sleep(0.3)
+    s.proc.send_signal(15)  # the second: end what is left now
+    t.join(30)
+    stopper.join(60)
+    assert t.lines[-1] == "data: [DONE]", t.lines[-3:]
+    errors = [json.loads(x[6:]) for x in t.lines[:-1] if '"error"' in x]
+    assert errors and errors[0]["error"]["code"] == "engine_dead", t.lines[-3:]
+    assert stop["s"] < 10
