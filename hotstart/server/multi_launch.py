@@ -122,6 +122,8 @@ def run_serve_many(args: argparse.Namespace, cfg: ServeConfig, specs: list[Model
 def engine_starter(router: ModelRouter, shared, use_forkserver: bool, engine_config, auto_restart: bool):
     """start_engine(rec) for the router: the tokenizer (once per model), then an engine forked from the
     shared forkserver (or spawned), its client started; a load error raises (the record fails)."""
+    import encodings.unicode_escape  # noqa: F401, PLC0415 - what Tokenizer.from_dir imports: it runs off the loop
+
     from hotstart.model.files import weight_files  # noqa: PLC0415
     from hotstart.server.client import make_engine_client  # noqa: PLC0415
     from hotstart.server.shared_launcher import launcher_for  # noqa: PLC0415
@@ -130,16 +132,21 @@ def engine_starter(router: ModelRouter, shared, use_forkserver: bool, engine_con
     async def start(rec: ModelRecord):
         timeline = rec.extra["timeline"] = Timeline(time.time())
         files = weight_files(Path(rec.path))
-        if rec.tokenizer is None:
-            with timeline.phase("tokenizer loaded"):
-                rec.tokenizer = Tokenizer.from_dir(rec.path)
         launcher = launcher_for(shared, use_forkserver)
         client = make_engine_client(engine_config(rec, files), timeline, launcher=launcher,
                                     auto_restart=auto_restart)
         client.on_fatal = lambda message: router.engine_fatal(rec, message)
         client.on_ready = router.notify
-        client.spawn()
+        client.spawn()  # the engine loads its weights while the tokenizer is read here
         await client.start()
+        if rec.tokenizer is None:  # on a worker thread: a large tokenizer.json takes 100s of ms to parse,
+            try:  # and the other models' streams go on meanwhile
+                with timeline.phase("tokenizer loaded"):
+                    rec.tokenizer = await asyncio.get_running_loop().run_in_executor(
+                        None, Tokenizer.from_dir, rec.path)
+            except BaseException:
+                await client.close()
+                raise
         return client
 
     return start
