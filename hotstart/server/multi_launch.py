@@ -27,9 +27,13 @@ from hotstart.server.router import ModelRecord, ModelRouter
 log = logging.getLogger("hotstart")
 
 
-def estimate_cost(path: Path, args: argparse.Namespace) -> int:
-    """Bytes a loaded model takes: its safetensors files, plus the KV cache (--kv-cache-memory, else
-    max-num-seqs x max-model-len tokens of K and V in float32, the engine's own need before its cap)."""
+KV_FRACTION = 0.5  # engine/placement.py's CPU_KV_MEMORY_FRACTION: the KV cache's share beside the weights
+
+
+def estimate_cost(path: Path, args: argparse.Namespace, budget: int) -> int:
+    """Bytes a loaded model takes: its safetensors files, plus the KV cache: --kv-cache-memory, else
+    max-num-seqs x max-model-len tokens of K and V in float32 capped as the engine caps it on CPU (half of
+    what is left beside the weights, here of BUDGET)."""
     weights = sum(p.stat().st_size for p in path.glob("*.safetensors") if p.is_file())
     kv = getattr(args, "kv_cache_memory", None)
     if kv is None:
@@ -38,7 +42,8 @@ def estimate_cost(path: Path, args: argparse.Namespace) -> int:
 
             mc = load_model_config(path)
             tokens = (getattr(args, "max_model_len", None) or mc.max_position_embeddings) * args.max_num_seqs
-            kv = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * 4 * tokens
+            need = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * 4 * tokens
+            kv = min(need, int(KV_FRACTION * max(0, budget - weights)))
         except Exception:  # noqa: BLE001 - a bad config.json fails at load, with the engine's reason
             kv = 0
     return weights + kv
@@ -87,9 +92,9 @@ def run_serve_many(args: argparse.Namespace, cfg: ServeConfig, specs: list[Model
         from hotstart.server.shared_launcher import SharedLauncher  # noqa: PLC0415
         from hotstart.system import mem_available  # noqa: PLC0415
 
-        records = [ModelRecord(name, str(m.path), cost=estimate_cost(Path(m.path), args))
-                   for name, m in resolved]
         budget = mcfg.models_memory or mem_available() or (1 << 62)
+        records = [ModelRecord(name, str(m.path), cost=estimate_cost(Path(m.path), args, budget))
+                   for name, m in resolved]
         shared = SharedLauncher(launcher) if launcher.use_forkserver else None
         router = ModelRouter(records, None, None, max_loaded=mcfg.max_loaded_models, budget=budget,
                              keep_alive=parse_duration(mcfg.keep_alive),

@@ -244,13 +244,16 @@ class ModelRouter:
             self.notify()
 
     async def _make_room(self, rec: ModelRecord) -> None:
+        if rec.cost > self.budget:
+            raise ValueError(f"it needs {rec.cost / 2**30:.1f} GiB (weights + KV cache), more than the "
+                             f"{self.budget / 2**30:.1f} GiB the models may use (--models-memory)")
         deadline = time.monotonic() + LOAD_TIMEOUT_S
         while True:
             active = [r for r in self.records.values() if r is not rec and r.state in (State.LOADING,
                                                                                        State.LOADED)]
             n = len(active) + len(self._closing)
             used = sum(r.cost for r in active) + sum(self._closing.values())
-            if n < self.max_loaded and (used + rec.cost <= self.budget or n == 0):
+            if n < self.max_loaded and used + rec.cost <= self.budget:
                 return
             idle = [r for r in active if r.state is State.LOADED and r.in_flight == 0]
             if idle:

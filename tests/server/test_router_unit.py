@@ -117,6 +117,10 @@ def test_memory_budget_evicts():
         r.release(await r.acquire("a"))
         r.release(await r.acquire("b"))
         assert state(r) == {"a": "unloaded", "b": "loaded"}
+        r.records["a"].cost = 200  # alone over the budget: refused, with the reason
+        with pytest.raises(RetryLater) as e:
+            await r.acquire("a")
+        assert "more than" in e.value.message and state(r)["b"] == "loaded"
         await r.close_all()
 
     asyncio.run(main())
