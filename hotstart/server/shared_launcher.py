@@ -24,6 +24,7 @@ from hotstart.messages import (
     EngineAddresses,
     EngineExited,
     EngineSpawned,
+    ForkserverExited,
     ServerInfo,
     SpawnEngine,
     StopEngine,
@@ -58,6 +59,13 @@ class SharedLauncher:
         self._views[self._next] = view
         return self._next
 
+    def forget(self, view: ModelLauncher) -> None:
+        """VIEW's engine is stopped for good (its model unloaded): no more events for it."""
+        if self._views.get(view.generation) is view:
+            del self._views[view.generation]
+        if view in self._all:
+            self._all.remove(view)
+
     def send(self, msg) -> None:
         with self.lock:
             self.real.send(msg)
@@ -67,14 +75,14 @@ class SharedLauncher:
         for ev in self.real.poll_events(all_generations=True):
             if isinstance(ev, ServerInfo):
                 self._info = ev
-                for v in self._all:
+                for v in list(self._all):
                     v.pending.append(ev)
             elif isinstance(ev, (EngineSpawned, EngineExited)):
                 v = self._views.get(ev.generation)
                 if v is not None:
                     v.pending.append(ev)
             else:  # ForkserverExited: every engine is gone
-                for v in self._all:
+                for v in list(self._all):
                     v.pending.append(ev)
 
 
@@ -112,6 +120,10 @@ class ModelLauncher:
         return EngineAddresses(f"ipc://{d}/in-{g}", f"ipc://{d}/out-{g}")
 
     def spawn(self, cfg: EngineConfig, new_generation: bool = False, world_size: int | None = None) -> None:
+        self.shared.pump()
+        if self.shared.real.fileno() is None:  # it died while no engine was watching it: a fresh one
+            self.pending = [e for e in self.pending if not isinstance(e, ForkserverExited)]
+            self.restart_server()
         if new_generation or self.generation == 0:
             self.generation = self.shared.new_generation(self)
         self.engine_pids = {}
@@ -172,6 +184,7 @@ class ModelLauncher:
             except ProcessLookupError:
                 pass
         self.engine_pids = {}
+        self.shared.forget(self)
 
 
 def _alive(pid: int) -> bool:

@@ -159,7 +159,9 @@ def test_load_and_unload_endpoints_need_the_key(one_slot):
 def test_killed_engine_is_replaced_and_others_serve(one_slot):
     c = client(one_slot)
     before = answer(c, "m1")
-    [engine] = engines(one_slot)
+    found = engines(one_slot)
+    assert len(found) == 1, (states(one_slot), [(e.pid, e.status(), e.create_time()) for e in found])
+    [engine] = found
     engine.kill()
     engine.wait(10)
     time.sleep(0.5)  # the supervisor polls the launcher every 0.1 s

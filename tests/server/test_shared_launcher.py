@@ -64,3 +64,15 @@ def test_a_dead_forkserver_is_restarted_once():
     a.restart_server()
     b.restart_server()
     assert real.restarts == 1
+
+
+def test_a_forkserver_dead_while_nothing_was_loaded_is_restarted_by_the_next_load():
+    real = FakeLauncher()
+    shared = SharedLauncher(real)
+    real.events, real.open = [ForkserverExited(None)], False
+    a = shared.view()
+    a.spawn(EngineConfig("/m/a"))
+    assert real.restarts == 1 and isinstance(real.sent[-1], SpawnEngine)
+    assert a.poll_events() == []  # not reported as the new engine's death
+    a.shutdown(0.1)
+    assert a not in shared._all and real.sent[-1] == StopEngine(a.generation)
