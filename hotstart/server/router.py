@@ -223,7 +223,11 @@ class ModelRouter:
                 await self._make_room(rec)
                 transition(rec, State.LOADING)
             self.notify()
-            rec.client = await self.start_engine(rec)
+            client = await self.start_engine(rec)
+            if rec.state is not State.LOADING:  # its engine failed while it started (engine_fatal)
+                self._spawn(self._close(client, rec.cost))
+                return
+            rec.client = client
             deadline = time.monotonic() + LOAD_TIMEOUT_S
             while rec.state is State.LOADING and not rec.client.ready:
                 if not await self._wait_change(deadline):
