@@ -201,3 +201,13 @@ def test_request_keep_alive(two_slots):
     with pytest.raises(APIStatusError) as e:
         answer(c, "m1", keep_alive="soon")
     assert e.value.status_code == 400 and e.value.body["param"] == "keep_alive"
+
+
+def test_sigterm_leaves_no_engine(two_slots):
+    c = client(two_slots, "unused")
+    answer(c, "m1")
+    answer(c, "m2")
+    pids = [e.pid for e in engines(two_slots)]
+    assert len(pids) == 2
+    two_slots.stop()  # fails if anything of the server is left after it exits
+    assert not [p for p in pids if psutil.pid_exists(p)]
