@@ -4,6 +4,7 @@ keep-alive durations (string parsing and a folder listing only: stdlib; the CLI 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,8 +30,8 @@ class ModelSpec:
 def split_spec(text: str) -> ModelSpec:
     """`NAME=PATH|HUB_ID|s3://...` or a bare spec. NAME=s3:// stays whole (boot/remote parses it)."""
     head, sep, tail = text.partition("=")
-    if not sep or "/" in head or not head or head.startswith(("~", ".")):
-        return ModelSpec(None, text)  # a path may hold "=" after a "/"
+    if not sep or "/" in head or not head or head.startswith(("~", ".")) or os.path.isdir(text):
+        return ModelSpec(None, text)  # a path may hold "="
     if not _NAME.match(head):
         raise HotstartError(f"model '{text}': '{head}' is not a valid model name (letters, digits, '._-:/')")
     if not tail:

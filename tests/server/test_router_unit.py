@@ -51,10 +51,15 @@ def test_durations_like_ollama():
             parse_duration(bad)
 
 
-def test_specs_and_model_dir(tmp_path):
+def test_specs_and_model_dir(tmp_path, monkeypatch):
     assert split_spec("a=/x") == split_spec("a=/x") and split_spec("a=/x").name == "a"
     assert split_spec("/p/a=b").name is None and split_spec("org/name").spec == "org/name"
     assert split_spec("n=s3://bucket/p").spec == "n=s3://bucket/p"
+    (tmp_path / "x=y").mkdir()  # a folder whose name holds "=" is a folder
+    assert split_spec(str(tmp_path / "x=y")).name is None
+    monkeypatch.chdir(tmp_path)
+    assert split_spec("x=y").name is None
+    (tmp_path / "x=y").rmdir()
     for n in ("b", "a"):
         (tmp_path / n).mkdir()
         (tmp_path / n / "config.json").write_text("{}")
