@@ -12,7 +12,7 @@ import httpx
 import psutil
 import pytest
 from openai import APIStatusError, NotFoundError, OpenAI
-from util import Server, serving
+from util import Server, no_torch_in, serving
 
 KEY = "test-key"
 ENGINE = ["--max-model-len", "128", "--max-num-seqs", "4", "--dtype", "float32", "--zygote", "off"]
@@ -211,3 +211,10 @@ def test_sigterm_leaves_no_engine(two_slots):
     assert len(pids) == 2
     two_slots.stop()  # fails if anything of the server is left after it exits
     assert not [p for p in pids if psutil.pid_exists(p)]
+
+
+def test_the_many_models_modules_do_not_import_torch():
+    for module in ("hotstart.server.multi_launch", "hotstart.server.multi_api", "hotstart.server.router",
+                   "hotstart.server.shared_launcher", "hotstart.server.model_specs"):
+        ok, heavy = no_torch_in(module)
+        assert ok, f"{module} imported {heavy}"
