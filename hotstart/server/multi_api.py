@@ -172,8 +172,9 @@ class MultiServing:
     async def health(self) -> Response:
         if self.router.preloaded():
             return json_response({"status": "ready"})
-        waiting = [n for n in self.router.preload if self.router.records[n].state is not State.LOADED]
-        return json_response({"status": f"loading {', '.join(waiting)}"}, 503)
+        waiting = [f"{n}: {self.router.records[n].state.value}" for n in self.router.preload
+                   if self.router.records[n].state is not State.LOADED]
+        return json_response({"status": f"waiting for --preload models ({', '.join(waiting)})"}, 503)
 
     async def startup(self) -> Response:
         models = {}
