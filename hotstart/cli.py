@@ -12,6 +12,7 @@ T0 = time.time()  # launch time as seen by the CLI (the timeline's zero)
 from hotstart.config import EngineConfig, ServeConfig  # noqa: E402 - stdlib + dataclasses only
 from hotstart.flags import add_options, non_negative  # noqa: E402
 from hotstart.generate import ENGINE_EXCLUDES  # noqa: E402 - argparse/time only at import
+from hotstart.server.model_specs import ModelsConfig  # noqa: E402 - stdlib + flags only
 
 
 class _Parser(argparse.ArgumentParser):
@@ -26,12 +27,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    s.add_argument("model", nargs="?", default=None,
-                   help="model folder, hub id in the local HF/ModelScope cache, s3://BUCKET/PREFIX (or "
-                        "NAME=s3://...: downloaded while torch imports, cached), or nothing for the default "
-                        "model")
+    s.add_argument("model", nargs="*", default=None,
+                   help="model folder, hub id in the local HF/ModelScope cache, s3://BUCKET/PREFIX (s3: "
+                        "downloaded while torch imports, cached), each optionally NAME=...; or nothing for "
+                        "the default model. Several (or --model-dir): loaded on demand (README: Many models)")
     s.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) in the local cache")
     add_options(s, ServeConfig)
+    add_options(s.add_argument_group("several models"), ModelsConfig)
     add_options(s.add_argument_group("engine"), EngineConfig)
 
     g = sub.add_parser("generate", help="generate text offline (no server)")

@@ -159,9 +159,10 @@ class EngineLauncher:
         """Readable when forkserver events arrive (for an event loop's add_reader)."""
         return self._sock.fileno() if self._sock is not None else None
 
-    def poll_events(self) -> list:
+    def poll_events(self, all_generations: bool = False) -> list:
         """Non-blocking: the events that arrived since the last call, typed (see the module docstring).
-        Events of earlier engine generations are dropped here."""
+        Events of earlier engine generations are dropped here, unless ALL_GENERATIONS (several engines
+        share this launcher: server/shared_launcher.py routes them by generation)."""
         from hotstart.framing import FrameError, FrameReader  # noqa: PLC0415
         from hotstart.messages import (  # noqa: PLC0415
             EngineExited,
@@ -204,6 +205,8 @@ class EngineLauncher:
             if proc.poll() is not None:
                 events.append(EngineExited(self.generation, rank, proc.pid, proc.returncode))
                 del self.direct[rank]
+        if all_generations:
+            return events
         current = []
         for ev in events:
             if isinstance(ev, (EngineSpawned, EngineExited)) and ev.generation != self.generation:
@@ -214,6 +217,19 @@ class EngineLauncher:
                 self.engine_pids.pop(ev.rank, None)
             current.append(ev)
         return current
+
+    def send(self, msg) -> bool:
+        """Send MSG (SpawnEngine, StopEngine) to the forkserver; False if there is none or it is gone
+        (poll_events then reports its EOF)."""
+        if self._sock is None:
+            return False
+        from hotstart.framing import send  # noqa: PLC0415
+
+        try:
+            send(self._sock, msg)
+            return True
+        except OSError:
+            return False
 
     def abandon_zygote(self, reason: str) -> None:
         """Stop using the zygote (it did not fork in time): the next poll_events reports

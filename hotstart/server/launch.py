@@ -89,8 +89,18 @@ def _start_prefetch(cfg: ServeConfig, model_path, files, cursor, timeline: Timel
 
 def run_serve(args: argparse.Namespace, cfg: ServeConfig, t0: float, launcher: EngineLauncher,
               imports=None) -> int:
-    """ARGS: the parsed command line (model, --revision, engine flags); CFG: the serve flags; IMPORTS:
-    the import prefetch started at t=0 (boot/iosched.py ImportPrefetch), or None."""
+    """ARGS: the parsed command line (models, --revision, engine flags); CFG: the serve flags; IMPORTS:
+    the import prefetch started at t=0 (boot/iosched.py ImportPrefetch), or None. Several models (or
+    --model-dir): server/multi_launch.py."""
+    from hotstart.server.model_specs import gather  # noqa: PLC0415 - stdlib, imported by the CLI already
+
+    specs = gather(args.model if isinstance(args.model, list) else [args.model] if args.model else [],
+                   getattr(args, "model_dir", None))
+    if len(specs) > 1 or getattr(args, "model_dir", None):
+        from hotstart.server.multi_launch import run_serve_many  # noqa: PLC0415
+
+        return run_serve_many(args, cfg, specs, t0, launcher)
+    spec = specs[0] if specs else None
     logging.basicConfig(
         level=getattr(logging, cfg.log_level.upper()), format="%(message)s", stream=sys.stderr
     )
@@ -106,7 +116,7 @@ def run_serve(args: argparse.Namespace, cfg: ServeConfig, t0: float, launcher: E
         from hotstart.model.files import weight_files  # noqa: PLC0415
 
         with timeline.phase("model resolved") as span:
-            model = resolve_model(args.model, args.revision)
+            model = resolve_model(spec.spec if spec else None, args.revision)
             files = weight_files(model.path)
             span.detail = f"{model.source}: {model.path}"
         remote = model.remote  # s3:// models (boot/remote/): its weights may be arriving
@@ -141,7 +151,7 @@ def run_serve(args: argparse.Namespace, cfg: ServeConfig, t0: float, launcher: E
         with timeline.phase("tokenizer loaded"):
             tokenizer = Tokenizer.from_dir(model.path)
         api_imported.set()
-        names = list(cfg.served_model_name or [model.name])
+        names = list(cfg.served_model_name or [spec.name if spec and spec.name else model.name])
         settings = ApiSettings(
             served_model_names=names,
             api_key=cfg.api_key,

@@ -1,0 +1,207 @@
+"""`hotstart serve MODEL MODEL ...` / `--model-dir DIR`: several models, loaded on demand (torch-free).
+
+The one warm forkserver (or the zygote) is started at t=0 as for one model; the models are resolved
+(ms, an error names the spec and ends the start), the web stack imported, the socket bound, and then
+nothing is loaded until a request names a model (or --preload). Each load forks an engine from the
+forkserver (server/shared_launcher.py), supervised as one model's engine is; server/router.py decides
+when to load and unload, server/multi_api.py answers the HTTP side. /health is 200 once the server is
+up and every --preload model is loaded: it does not wait for models nobody asked for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+from pathlib import Path
+
+from hotstart.boot.timeline import Timeline
+from hotstart.config import EngineConfig, ServeConfig
+from hotstart.errors import HotstartError
+from hotstart.forkserver.client import EngineLauncher
+from hotstart.server.model_specs import ModelsConfig, ModelSpec, parse_duration
+from hotstart.server.router import ModelRecord, ModelRouter
+
+log = logging.getLogger("hotstart")
+
+
+KV_FRACTION = 0.5  # engine/placement.py's CPU_KV_MEMORY_FRACTION: the KV cache's share beside the weights
+
+
+def estimate_cost(path: Path, args: argparse.Namespace, budget: int) -> int:
+    """Bytes a loaded model takes: its safetensors files, plus the KV cache: --kv-cache-memory, else
+    max-num-seqs x max-model-len tokens of K and V in float32 capped as the engine caps it on CPU (half of
+    what is left beside the weights, here of BUDGET)."""
+    weights = sum(p.stat().st_size for p in path.glob("*.safetensors") if p.is_file())
+    kv = getattr(args, "kv_cache_memory", None)
+    if kv is None:
+        try:
+            from hotstart.model_config import load_model_config  # noqa: PLC0415 - stdlib + json
+
+            mc = load_model_config(path)
+            tokens = (getattr(args, "max_model_len", None) or mc.max_position_embeddings) * args.max_num_seqs
+            need = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * 4 * tokens
+            kv = min(need, int(KV_FRACTION * max(0, budget - weights)))
+        except Exception:  # noqa: BLE001 - a bad config.json fails at load, with the engine's reason
+            kv = 0
+    return weights + kv
+
+
+def resolve_all(specs: list[ModelSpec], revision: str | None) -> list[tuple[str, object]]:
+    """(name, ResolvedModel) per spec; a spec that does not resolve, or a name given twice, ends the start."""
+    from hotstart.boot.resolve import resolve_model  # noqa: PLC0415
+
+    out, seen = [], set()
+    for spec in specs:
+        model = resolve_model(spec.spec, revision)
+        name = spec.name or model.name
+        if name in seen:
+            raise HotstartError(f"two models are named '{name}' (name them: NAME=PATH)")
+        seen.add(name)
+        out.append((name, model))
+    return out
+
+
+def run_serve_many(args: argparse.Namespace, cfg: ServeConfig, specs: list[ModelSpec], t0: float,
+                   launcher: EngineLauncher) -> int:
+    logging.basicConfig(level=getattr(logging, cfg.log_level.upper()), format="%(message)s",
+                        stream=sys.stderr)
+    mcfg = ModelsConfig(**{k: getattr(args, k) for k in ModelsConfig.__dataclass_fields__
+                           if hasattr(args, k)})
+    timeline = Timeline(t0)
+    timeline.on_event = lambda span: log.info(timeline.log_line(span))
+    for name, start, end, detail in launcher.spans:
+        timeline.add(name, start, end, "api", detail)
+    remotes = []
+    try:
+        with timeline.phase("models resolved") as span:
+            resolved = resolve_all(specs, args.revision)
+            span.detail = f"{len(resolved)} models"
+        remotes = [m.remote for _, m in resolved if m.remote is not None]
+        preload = mcfg.preload_names()
+        unknown = [n for n in preload if n not in {name for name, _ in resolved}]
+        if unknown:
+            raise HotstartError(f"--preload {', '.join(unknown)}: no such model (served: "
+                                f"{', '.join(n for n, _ in resolved)})")
+        if cfg.served_model_name:
+            raise HotstartError("--served-model-name applies to one model; name several with NAME=PATH")
+        with timeline.phase("web stack imported"):
+            from hotstart.server.multi_api import build_multi_app  # noqa: PLC0415
+        from hotstart.server.shared_launcher import SharedLauncher  # noqa: PLC0415
+        from hotstart.system import mem_available  # noqa: PLC0415
+
+        budget = mcfg.models_memory or mem_available() or (1 << 62)
+        records = [ModelRecord(name, str(m.path), cost=estimate_cost(Path(m.path), args, budget))
+                   for name, m in resolved]
+        shared = SharedLauncher(launcher) if launcher.use_forkserver else None
+        router = ModelRouter(records, None, None, max_loaded=mcfg.max_loaded_models, budget=budget,
+                             keep_alive=parse_duration(mcfg.keep_alive),
+                             max_waiting=mcfg.max_waiting_requests, preload=preload)
+
+        def engine_config(rec: ModelRecord, files: list[Path]) -> EngineConfig:
+            return EngineConfig.from_args(args, model_path=rec.path, weight_files=tuple(map(str, files)),
+                                          cursor_path=None, t0=time.time())
+
+        router.start_engine = engine_starter(router, shared, launcher.use_forkserver, engine_config,
+                                             cfg.restart)
+        router.make_serving = serving_maker(cfg)
+        app = build_multi_app(router, cfg, timeline)
+        from hotstart.server.launch import _bind, _serve  # noqa: PLC0415
+
+        with timeline.phase("socket bound"):
+            sock = _bind(cfg.host, cfg.port)
+        host, port = sock.getsockname()[:2]
+        if cfg.host in ("0.0.0.0", "::") and not cfg.api_key:
+            log.warning("hotstart: WARNING: listening on all interfaces without --api-key")
+        print(f"hotstart: serving {len(records)} models ({', '.join(router.records)}) on "
+              f"http://{host}:{port} (health: /health)", file=sys.stderr, flush=True)
+        return asyncio.run(_serve(app, sock, RouterLifecycle(router, timeline), None))
+    finally:
+        for remote in remotes:
+            remote.stop()
+        launcher.shutdown()
+
+
+def engine_starter(router: ModelRouter, shared, use_forkserver: bool, engine_config, auto_restart: bool):
+    """start_engine(rec) for the router: the tokenizer (once per model), then an engine forked from the
+    shared forkserver (or spawned), its client started; a load error raises (the record fails)."""
+    import encodings.unicode_escape  # noqa: F401, PLC0415 - what Tokenizer.from_dir imports: it runs off the loop
+
+    from hotstart.model.files import weight_files  # noqa: PLC0415
+    from hotstart.server.client import make_engine_client  # noqa: PLC0415
+    from hotstart.server.shared_launcher import launcher_for  # noqa: PLC0415
+    from hotstart.text.tokenizer import Tokenizer  # noqa: PLC0415
+
+    async def start(rec: ModelRecord):
+        timeline = rec.extra["timeline"] = Timeline(time.time())
+        files = weight_files(Path(rec.path))
+        launcher = launcher_for(shared, use_forkserver)
+        client = make_engine_client(engine_config(rec, files), timeline, launcher=launcher,
+                                    auto_restart=auto_restart)
+        client.on_fatal = lambda message: router.engine_fatal(rec, message)
+        client.on_ready = router.notify
+        client.spawn()  # the engine loads its weights while the tokenizer is read here
+        await client.start()
+        if rec.tokenizer is None:  # on a worker thread: a large tokenizer.json takes 100s of ms to parse,
+            try:  # and the other models' streams go on meanwhile
+                with timeline.phase("tokenizer loaded"):
+                    rec.tokenizer = await asyncio.get_running_loop().run_in_executor(
+                        None, Tokenizer.from_dir, rec.path)
+            except BaseException:
+                await client.close()
+                raise
+        return client
+
+    return start
+
+
+def serving_maker(cfg: ServeConfig):
+    """make_serving(rec): the OpenAIServing of a loaded model (its metrics kept across loads)."""
+    from hotstart.server.api import ApiSettings, OpenAIServing  # noqa: PLC0415
+    from hotstart.server.metrics import Metrics  # noqa: PLC0415
+    from hotstart.server.validation import sampling_defaults  # noqa: PLC0415
+
+    def make(rec: ModelRecord):
+        settings = ApiSettings(
+            served_model_names=[rec.name], api_key=cfg.api_key, max_request_bytes=cfg.max_request_bytes,
+            sampling_defaults=sampling_defaults(rec.path, cfg.generation_config),
+            tool_call_parser=None if cfg.tool_call_parser == "auto" else cfg.tool_call_parser,
+            auto_tool_choice=cfg.enable_auto_tool_choice,
+        )
+        serving = OpenAIServing(rec.client, rec.tokenizer, settings)
+        serving.metrics = rec.extra.setdefault("metrics", Metrics())
+        return serving
+
+    return make
+
+
+class RouterLifecycle:
+    """What launch._serve drives (the EngineClient lifecycle part) for a router: start, ready (every
+    --preload model loaded), shutdown."""
+
+    fatal = None
+
+    def __init__(self, router: ModelRouter, timeline: Timeline) -> None:
+        self.router, self.timeline = router, timeline
+        self.on_ready = self.on_fatal = None
+        self._reaper: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._reaper = asyncio.ensure_future(self.router.reap())
+        self.router.on_preloaded = self.on_ready
+        for name in self.router.preload:
+            self.router.load_soon(self.router.records[name])
+        if not self.router.preload and self.on_ready is not None:
+            asyncio.get_running_loop().call_soon(self.on_ready)
+
+    def begin_shutdown(self) -> None:
+        for rec in self.router.records.values():
+            if rec.client is not None:
+                rec.client.begin_shutdown()
+
+    async def close(self, timeout: float = 3.0) -> None:  # noqa: ARG002 - each engine: CLOSE_TIMEOUT_S
+        if self._reaper is not None:
+            self._reaper.cancel()
+        await self.router.close_all()

@@ -1,0 +1,220 @@
+"""Several models in one `hotstart serve`, end to end: real random-weight models, real engines forked on
+demand from the one forkserver, the openai client (issue 24)."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+import pytest
+from openai import APIStatusError, NotFoundError, OpenAI
+from util import Server, no_torch_in, serving
+
+KEY = "test-key"
+ENGINE = ["--max-model-len", "128", "--max-num-seqs", "4", "--dtype", "float32", "--zygote", "off"]
+PROMPT = "The quick brown fox"
+
+
+def make_model(out, seed: int):
+    cmd = [sys.executable, "-m", "hotstart", "make-model", "--family", "qwen2", "--size", "tiny", "--dtype",
+           "float32", "--seed", str(seed), "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    for i in (1, 2, 3):
+        make_model(root / f"m{i}", seed=i)
+    bad = make_model(root / "bad", seed=4)
+    (bad / "config.json").write_text('{"architectures": ["NoSuchModel"], "model_type": "nope"}')
+    return root
+
+
+@pytest.fixture(scope="module")
+def one_slot(model_dir):
+    """m1, m2, m3 and a broken model; one engine at a time, kept loaded; an API key; 1 waiting request."""
+    yield from serving("--model-dir", str(model_dir), "--max-loaded-models", "1", "--keep-alive", "-1",
+                       "--max-waiting-requests", "1", "--api-key", KEY, *ENGINE)
+
+
+@pytest.fixture(scope="module")
+def two_slots(model_dir):
+    yield from serving(*(f"m{i}={model_dir / f'm{i}'}" for i in (1, 2, 3)), "--max-loaded-models", "2",
+                       "--keep-alive", "-1", "--preload", "m3", *ENGINE)
+
+
+def client(server: Server, key: str = KEY) -> OpenAI:
+    return OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def answer(c: OpenAI, model: str, **extra) -> str:
+    r = c.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0,
+                             extra_body=extra or None)
+    return r.choices[0].text
+
+
+def states(server: Server, key: str = KEY) -> dict[str, str]:
+    r = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    assert r.status_code == 200, r.text
+    return {m["id"]: m["state"] for m in r.json()["data"]}
+
+
+def engines(server: Server) -> list[psutil.Process]:
+    """The engine processes: children of the server's forkserver."""
+    return [e for fs in psutil.Process(server.proc.pid).children() for e in fs.children()]
+
+
+def wait_for(cond, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def test_nothing_loads_until_asked_and_each_answers_as_alone(one_slot, model_dir):
+    assert states(one_slot) == {"bad": "unloaded", "m1": "unloaded", "m2": "unloaded", "m3": "unloaded"}
+    assert engines(one_slot) == []
+    c = client(one_slot)
+    together = {m: answer(c, m) for m in ("m1", "m2")}
+    assert together["m1"] != together["m2"]
+    for m in ("m1", "m2"):
+        alone = Server(str(model_dir / m), *ENGINE)
+        try:
+            assert answer(client(alone, "unused"), m) == together[m]
+        finally:
+            alone.stop()
+
+
+def test_eviction_with_one_slot(one_slot):
+    c = client(one_slot)
+    answer(c, "m1")
+    assert states(one_slot)["m1"] == "loaded"
+    answer(c, "m2")
+    s = states(one_slot)
+    assert (s["m1"], s["m2"]) == ("unloaded", "loaded")
+    assert len(engines(one_slot)) == 1
+
+
+def test_broken_model_beside_good_ones(one_slot):
+    c = client(one_slot)
+    with pytest.raises(APIStatusError) as e:
+        answer(c, "bad")
+    assert e.value.status_code == 503
+    err = e.value.body
+    assert err["code"] == "model_load_failed" and "bad" in err["message"] and "NoSuchModel" in err["message"]
+    t = time.monotonic()
+    with pytest.raises(APIStatusError):  # within the backoff: answered at once, no new engine
+        answer(c, "bad")
+    assert time.monotonic() - t < 1.0
+    assert answer(c, "m1")  # the others serve
+    r = httpx.get(one_slot.url + "/v1/models/bad", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.json()["state"] == "failed" and "NoSuchModel" in r.json()["error"]
+
+
+@pytest.mark.parametrize("name", ["../m1", "/etc", "m1/../m2", "./m1", "M1"])
+def test_path_like_or_unknown_names_are_404(one_slot, model_dir, name):
+    with pytest.raises(NotFoundError) as e:
+        answer(client(one_slot), name)
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(NotFoundError):
+        answer(client(one_slot), str(model_dir / "m1"))
+
+
+def test_waiting_bound_answers_503_with_retry_after(one_slot):
+    answer(client(one_slot), "m1")
+    body = {"model": "m2", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+
+    def post():
+        return httpx.post(one_slot.url + "/v1/completions", json=body, timeout=120,
+                          headers={"Authorization": f"Bearer {KEY}"})
+
+    with cf.ThreadPoolExecutor(4) as pool:
+        rs = list(pool.map(lambda _: post(), range(4)))
+    codes = sorted(r.status_code for r in rs)
+    assert 200 in codes and 503 in codes, codes
+    busy = [r for r in rs if r.status_code == 503]
+    assert all(r.json()["error"]["code"] == "too_many_waiting" and int(r.headers["Retry-After"]) >= 1
+               for r in busy)
+
+
+def test_load_and_unload_endpoints_need_the_key(one_slot):
+    url = one_slot.url + "/v1/models/m3"
+    assert httpx.post(url + "/load", timeout=30).status_code == 401
+    assert httpx.get(one_slot.url + "/health").status_code == 200  # open, no --preload to wait for
+    auth = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(url + "/load", headers=auth, timeout=120)
+    assert r.status_code == 200 and r.json()["state"] == "loaded" and r.json()["loaded_at"]
+    r = httpx.post(url + "/unload", headers=auth, timeout=30)
+    assert r.status_code == 200 and r.json()["state"] == "unloaded"
+    assert httpx.post(one_slot.url + "/v1/models/nope/load", headers=auth).status_code == 404
+
+
+def test_killed_engine_is_replaced_and_others_serve(one_slot):
+    c = client(one_slot)
+    before = answer(c, "m1")
+    found = engines(one_slot)
+    assert len(found) == 1, (states(one_slot), [(e.pid, e.status(), e.create_time()) for e in found])
+    [engine] = found
+    engine.kill()
+    engine.wait(10)
+    time.sleep(0.5)  # the supervisor polls the launcher every 0.1 s
+    assert answer(c, "m1") == before  # replaced (a new generation), same answer
+    assert answer(c, "m2")
+
+
+def test_metrics_and_startup_per_model(one_slot):
+    answer(client(one_slot), "m1")
+    auth = {"Authorization": f"Bearer {KEY}"}
+    text = httpx.get(one_slot.url + "/metrics", headers=auth).text
+    assert 'hotstart_model_state{model="m1",state="loaded"} 1.0' in text
+    assert 'model="m1"' in text and "hotstart_generation_tokens" in text
+    body = httpx.get(one_slot.url + "/startup", headers=auth).json()
+    assert body["models"]["m1"]["state"] == "loaded" and set(body["models"]) == {"bad", "m1", "m2", "m3"}
+
+
+def test_lru_eviction_with_two_slots(two_slots):
+    c = client(two_slots, "unused")
+    assert states(two_slots, "unused")["m3"] == "loaded"  # --preload; /health waited for it
+    answer(c, "m1")  # m3, m1 loaded
+    answer(c, "m3")  # m1 is now the least recently used
+    answer(c, "m2")
+    s = states(two_slots, "unused")
+    assert (s["m1"], s["m2"], s["m3"]) == ("unloaded", "loaded", "loaded")
+    assert len(engines(two_slots)) == 2
+
+
+def test_request_keep_alive(two_slots):
+    c = client(two_slots, "unused")
+    answer(c, "m1", keep_alive=0)
+    wait_for(lambda: states(two_slots, "unused")["m1"] == "unloaded", 15)
+    answer(c, "m1", keep_alive="1s")
+    r = httpx.get(two_slots.url + "/v1/models/m1").json()
+    assert r["state"] == "loaded" and r["keep_alive_until"] <= time.time() + 3
+    wait_for(lambda: states(two_slots, "unused")["m1"] == "unloaded", 15)
+    with pytest.raises(APIStatusError) as e:
+        answer(c, "m1", keep_alive="soon")
+    assert e.value.status_code == 400 and e.value.body["param"] == "keep_alive"
+
+
+def test_sigterm_leaves_no_engine(two_slots):
+    c = client(two_slots, "unused")
+    answer(c, "m1")
+    answer(c, "m2")
+    pids = [e.pid for e in engines(two_slots)]
+    assert len(pids) == 2
+    two_slots.stop()  # fails if anything of the server is left after it exits
+    assert not [p for p in pids if psutil.pid_exists(p)]
+
+
+def test_the_many_models_modules_do_not_import_torch():
+    for module in ("hotstart.server.multi_launch", "hotstart.server.multi_api", "hotstart.server.router",
+                   "hotstart.server.shared_launcher", "hotstart.server.model_specs"):
+        ok, heavy = no_torch_in(module)
+        assert ok, f"{module} imported {heavy}"
