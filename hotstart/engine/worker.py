@@ -124,6 +124,7 @@ def run_engine(cfg: EngineConfig, addresses: EngineAddresses, rank: int = 0, wor
     except BaseException as e:  # noqa: BLE001 - any startup failure is reported, then the process exits
         send(EngineFailed(_fatal_message(e)))
         push.close(linger=2000)
+        pull.close(linger=0)  # else ctx.term() waits for it forever and the failed engine never exits
         ctx.term()
         return 1
     finally:

@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 
+from hotstart import logs
 from hotstart.boot.timeline import Timeline
 from hotstart.config import EngineConfig, ServeConfig
 from hotstart.errors import HotstartError
@@ -101,9 +102,7 @@ def run_serve(args: argparse.Namespace, cfg: ServeConfig, t0: float, launcher: E
 
         return run_serve_many(args, cfg, specs, t0, launcher)
     spec = specs[0] if specs else None
-    logging.basicConfig(
-        level=getattr(logging, cfg.log_level.upper()), format="%(message)s", stream=sys.stderr
-    )
+    logs.setup("api", cfg.log_level)
     timeline = Timeline(t0)
     timeline.on_event = lambda span: log.info(timeline.log_line(span))  # one log line per phase
     for name, start, end, detail in launcher.spans:  # the zygote: used, or why not
