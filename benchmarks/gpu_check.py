@@ -125,7 +125,10 @@ class Check:
                 AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(folder)
             res = {}
             for dtype in ("float32", "bfloat16"):
-                ref_model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
+                # transformers' grouped-mm experts need 16-byte strides (odd tiny shapes in bf16 on CPU
+                # fail): the eager per-expert loop is the reference
+                moe = {"experts_implementation": "eager"} if families.by_name(family).moe else {}
+                ref_model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), **moe)
                 ref_model = ref_model.to(dev).eval()
                 ids = torch.tensor([prompt], device=dev)
                 with torch.no_grad():

@@ -4,7 +4,6 @@ in-process EngineClient (server/client.py)."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 import time
 
@@ -60,6 +59,8 @@ def run_generate(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
         finally:
             await engine.close()
+
+    import asyncio  # here: `hotstart --help` imports this module for ENGINE_EXCLUDES
 
     asyncio.run(run())
     sys.stdout.write(detok.flush() + "\n")

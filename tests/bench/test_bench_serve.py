@@ -43,7 +43,9 @@ def test_hotstart_against_a_peer_interleaved(tmp_path, default_model_dir):
             assert q["prompt_tokens"] == r["input_len"] and q["output_tokens"] == 4 and q["error"] is None
         assert r["roofline_fraction"] > 0
     target = {t["label"]: t for t in data["meta"]["targets"]}
-    assert target["hotstart"]["weights"] == "bfloat16 safetensors" and target["hotstart"]["fast_path"]
+    # bf16 where the CPU computes it natively (avx512_bf16 / amx), else float32 (engine/placement.py)
+    assert target["hotstart"]["weights"] in ("bfloat16 safetensors", "float32 safetensors")
+    assert target["hotstart"]["fast_path"]
     assert target["hotstart"]["bytes_per_step"] > 2e8
     rows = {(r["target"], r["input_len"], r["concurrency"]): r for r in data["summary"]}
     assert len(rows) == 8 and all(r["rounds"] == 2 and r["completed"] == 4 for r in rows.values())
