@@ -49,6 +49,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=3)
     ap.add_argument("--prompt-tokens", type=int, default=8)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    ap.add_argument("--dtype", default="auto", help="the engine's --dtype (auto: float32 without CPU bf16)")
     ap.add_argument("--touch", choices=["none", "copy", "tensors"], default="none",
                     help="before the requests, read every weight byte once: copy = preadv of the files into "
                          "a buffer; tensors = one element per page of every parameter (through the engine's "
@@ -76,7 +77,8 @@ def main() -> None:
     u1 = usage()
     out["import"] = delta(u0, u1)
     core = EngineCore.build(EngineConfig(model_path=str(Path(a.model).expanduser()), device="cpu",
-                                         max_model_len=a.max_model_len, compile="off"))
+                                         max_model_len=a.max_model_len, compile="off",
+                                         dtype=a.dtype))
     u2 = usage()
     out["build"] = delta(u1, u2)
     if a.touch == "copy":

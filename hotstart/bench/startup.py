@@ -261,7 +261,8 @@ class Bench:
                     self.save()
                     print(report.progress_line(rec, rnd, a.runs, width), file=sys.stderr, flush=True)
                 if a.floor:
-                    for what in ("import_torch", "read_weights", *floor.IMPORTS_ALONE):
+                    # the read last: it leaves the weights resident for the next mode's warm runs
+                    for what in ("import_torch", *floor.IMPORTS_ALONE, "read_weights"):
                         rec = self.measure_floor(what, mode, rnd, warm)
                         self.floor.append(rec)
                         self.save()
