@@ -38,6 +38,23 @@ if TYPE_CHECKING:
 STOP_GRACE_S = 3.0
 
 
+
+def current_generation(events: list, generation: int, engine_pids: dict[int, int]) -> list:
+    """EVENTS less the spawns and exits of other engine generations; ENGINE_PIDS (rank -> pid) follows the
+    spawns and exits of GENERATION."""
+    from hotstart.messages import EngineExited, EngineSpawned  # msgspec: only after the t=0 launch
+
+    out = []
+    for ev in events:
+        if isinstance(ev, (EngineSpawned, EngineExited)) and ev.generation != generation:
+            continue
+        if isinstance(ev, EngineSpawned):
+            engine_pids[ev.rank] = ev.pid
+        elif isinstance(ev, EngineExited):
+            engine_pids.pop(ev.rank, None)
+        out.append(ev)
+    return out
+
 class EngineLauncher:
     """Owns the forkserver (or the directly spawned engine) and reports process events."""
 
@@ -166,7 +183,6 @@ class EngineLauncher:
         from hotstart.framing import FrameError, FrameReader  # noqa: PLC0415
         from hotstart.messages import (  # noqa: PLC0415
             EngineExited,
-            EngineSpawned,
             ForkserverExited,
             FromForkserver,
             SpawnRefused,
@@ -207,16 +223,7 @@ class EngineLauncher:
                 del self.direct[rank]
         if all_generations:
             return events
-        current = []
-        for ev in events:
-            if isinstance(ev, (EngineSpawned, EngineExited)) and ev.generation != self.generation:
-                continue
-            if isinstance(ev, EngineSpawned):
-                self.engine_pids[ev.rank] = ev.pid
-            elif isinstance(ev, EngineExited):
-                self.engine_pids.pop(ev.rank, None)
-            current.append(ev)
-        return current
+        return current_generation(events, self.generation, self.engine_pids)
 
     def send(self, msg) -> bool:
         """Send MSG (SpawnEngine, StopEngine) to the forkserver; False if there is none or it is gone

@@ -11,6 +11,7 @@ factory only when it is chosen).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Protocol
@@ -22,6 +23,27 @@ if TYPE_CHECKING:
     from hotstart.forkserver.client import EngineLauncher
     from hotstart.messages import EngineReady, EngineStats, FastPathStatus, SamplingParams, TokenOutput
 
+
+class RequestOutputs:
+    """One request's outputs as its transport queues them (`queue`): TokenOutputs, or an exception to
+    raise, until every one of its N choices carried a finish_reason or an output says "error" / "abort".
+    `finished` tells the caller whether the engine still holds the request (else it must abort it)."""
+
+    def __init__(self, n: int) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+        self._open = set(range(n))
+
+    async def __aiter__(self) -> AsyncIterator[TokenOutput]:
+        while not self.finished:
+            out = await self.queue.get()
+            if isinstance(out, Exception):
+                self.finished = True
+                raise out
+            if out.finish_reason is not None:
+                self._open.discard(out.index)
+            self.finished = not self._open or out.finish_reason in ("error", "abort")
+            yield out
 
 class EngineDeadError(Exception):
     """The engine died (or stopped) while a request was in flight."""

@@ -37,7 +37,7 @@ from hotstart.messages import (
     encoder,
     from_engine_decoder,
 )
-from hotstart.server.client import EngineDeadError
+from hotstart.server.client import EngineDeadError, RequestOutputs
 from hotstart.server.supervisor import EngineSupervisor
 
 log = logging.getLogger("hotstart")
@@ -188,26 +188,15 @@ class ProcessEngineClient:
         """See EngineClient.generate (server/client.py); closing early frees the request's KV blocks."""
         if not self.ready:
             raise EngineDeadError(self.fatal or f"engine not ready ({self.status})")
-        q: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = q
-        finished = False
-        open_choices = set(range(params.n))
+        stream = RequestOutputs(params.n)
+        self._queues[request_id] = stream.queue
         try:
             await self._push.send(encoder.encode(EngineRequest(request_id, list(prompt_token_ids), params)))
-            while True:
-                out = await q.get()
-                if isinstance(out, Exception):
-                    finished = True
-                    raise out
-                if out.finish_reason is not None:
-                    open_choices.discard(out.index)
-                finished = not open_choices or out.finish_reason in ("error", "abort")
+            async for out in stream:
                 yield out
-                if finished:
-                    return
         finally:
             self._queues.pop(request_id, None)
-            if not finished and self.ready:
+            if not stream.finished and self.ready:
                 await self.abort(request_id)
 
     async def abort(self, request_id: str, index: int | None = None) -> None:

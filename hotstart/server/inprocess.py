@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from hotstart.boot.timeline import Timeline
 from hotstart.messages import EngineReady, EngineRequest, SamplingParams, TokenOutput
-from hotstart.server.client import EngineDeadError
+from hotstart.server.client import EngineDeadError, RequestOutputs
 
 if TYPE_CHECKING:
     from hotstart.config import EngineConfig
@@ -144,26 +144,15 @@ class InProcessEngineClient:
             raise EngineDeadError(self.fatal or f"engine not ready ({self.status})")
         if params.grammar is not None:
             import llguidance  # noqa: F401, PLC0415 - loaded here: the stepping thread must not import
-        q: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), q)
-        finished = False
-        open_choices = set(range(params.n))
+        stream = RequestOutputs(params.n)
+        self._streams[request_id] = (asyncio.get_running_loop(), stream.queue)
         try:
             self._send("add", EngineRequest(request_id, list(prompt_token_ids), params))
-            while True:
-                out = await q.get()
-                if isinstance(out, Exception):
-                    finished = True
-                    raise out
-                if out.finish_reason is not None:
-                    open_choices.discard(out.index)
-                finished = not open_choices or out.finish_reason in ("error", "abort")
+            async for out in stream:
                 yield out
-                if finished:
-                    return
         finally:
             self._streams.pop(request_id, None)
-            if not finished and self.ready:
+            if not stream.finished and self.ready:
                 await self.abort(request_id)
 
     async def abort(self, request_id: str, index: int | None = None) -> None:

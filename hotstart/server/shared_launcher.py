@@ -20,6 +20,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from hotstart.forkserver.client import current_generation
 from hotstart.messages import (
     EngineAddresses,
     EngineExited,
@@ -137,16 +138,7 @@ class ModelLauncher:
             self.pending.insert(0, self.shared._info)  # noqa: SLF001 - a view made after the preload
         self._info_sent = True
         events, self.pending = self.pending, []
-        out = []
-        for ev in events:
-            if isinstance(ev, (EngineSpawned, EngineExited)) and ev.generation != self.generation:
-                continue
-            if isinstance(ev, EngineSpawned):
-                self.engine_pids[ev.rank] = ev.pid
-            elif isinstance(ev, EngineExited):
-                self.engine_pids.pop(ev.rank, None)
-            out.append(ev)
-        return out
+        return current_generation(events, self.generation, self.engine_pids)
 
     def restart_server(self) -> None:
         """A dead forkserver is replaced once, by whichever of its engines' supervisors asks first."""
