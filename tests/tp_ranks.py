@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -45,6 +47,23 @@ def prefill_and_decode(executor: Executor, ids: list[int]) -> tuple[torch.Tensor
     first = executor.run(StepInputs(list(ids), [0], [len(ids)], [table], [True]))[0]
     second = executor.run(StepInputs([int(first.argmax())], [len(ids)], [1], [table], [True]))[0]
     return first, second
+
+
+def run_two_ranks(cases: list[dict], folder: Path, timeout: float) -> dict:
+    """CASES through two ranks of this script (one process each, a FileStore in FOLDER): name -> the
+    [first, second] logits of rank 0 (prefill_and_decode's)."""
+    out, init = folder / "logits.pt", folder / "rendezvous"
+    repo = Path(__file__).resolve().parents[1]
+    argv = [json.dumps(cases), str(out)]
+    procs = [subprocess.Popen([sys.executable, __file__, str(rank), "2", str(init), *argv],
+                              env={**os.environ, "PYTHONPATH": str(repo)})
+             for rank in range(2)]
+    try:
+        assert [p.wait(timeout) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            p.kill()
+    return torch.load(out)
 
 
 def main() -> None:

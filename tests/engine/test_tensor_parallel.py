@@ -5,12 +5,9 @@ test_model_reference.py), in float32."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,7 +16,7 @@ import psutil
 import pytest
 import torch
 from helpers.cli import assert_fails_with, hotstart
-from tp_ranks import executor_for_case, prefill_and_decode
+from tp_ranks import executor_for_case, prefill_and_decode, run_two_ranks
 from util import Server
 
 from hotstart.config import EngineConfig, load_model_config
@@ -66,16 +63,7 @@ def test_two_ranks_give_the_logits_of_one(tiny_checkpoint, tmp_path):
     cases = [{"name": f"{fam}{'-fused' if fused else ''}", "model": str(tiny_checkpoint(fam)), "fused": fused,
               "ids": _prompt(load_model_config(tiny_checkpoint(fam)).vocab_size)}
              for fam in FAMILIES for fused in (False, True)]
-    out, init = tmp_path / "logits.pt", tmp_path / "rendezvous"
-    procs = [subprocess.Popen([sys.executable, str(REPO / "tests" / "tp_ranks.py"), str(rank), "2", str(init),
-                               json.dumps(cases), str(out)], env={**os.environ, "PYTHONPATH": str(REPO)})
-             for rank in range(2)]
-    try:
-        assert [p.wait(180) for p in procs] == [0, 0]
-    finally:
-        for p in procs:
-            p.kill()
-    got = torch.load(out)
+    got = run_two_ranks(cases, tmp_path, 180)
     for case in cases:
         want = prefill_and_decode(executor_for_case(case, None), case["ids"])
         for step, (ours, ref) in enumerate(zip(got[case["name"]], want)):

@@ -5,16 +5,12 @@ greedy tokens against transformers: tests/model/test_model_reference.py (every f
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from tp_ranks import executor_for_case, prefill_and_decode
+from tp_ranks import executor_for_case, prefill_and_decode, run_two_ranks
 from util import Server
 
 from hotstart import families
@@ -134,16 +130,7 @@ def test_an_expert_width_not_divisible_is_named():
 def test_two_ranks_give_the_logits_of_one(tiny_checkpoint, tmp_path):
     cases = [{"name": f"{fam}{'-fused' if fused else ''}", "model": str(tiny_checkpoint(f"{fam}-tp")),
               "fused": fused, "ids": list(range(3, 22))} for fam in MOE for fused in (False, True)]
-    out, init = tmp_path / "logits.pt", tmp_path / "rendezvous"
-    procs = [subprocess.Popen([sys.executable, str(REPO / "tests" / "tp_ranks.py"), str(rank), "2", str(init),
-                               json.dumps(cases), str(out)], env={**os.environ, "PYTHONPATH": str(REPO)})
-             for rank in range(2)]
-    try:
-        assert [p.wait(300) for p in procs] == [0, 0]
-    finally:
-        for p in procs:
-            p.kill()
-    got = torch.load(out)
+    got = run_two_ranks(cases, tmp_path, 300)
     for case in cases:
         want = prefill_and_decode(executor_for_case(case, None), case["ids"])
         for step, (ours, ref) in enumerate(zip(got[case["name"]], want)):

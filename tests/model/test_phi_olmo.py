@@ -4,16 +4,12 @@ LongRoPE factor sets, the rank slices of the fused tensors, and TP=2 == TP=1 for
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from test_model_reference import LOGIT_ATOL, _greedy, _prefill_logits, _ref_greedy, _reference
-from tp_ranks import executor_for_case, prefill_and_decode
+from tp_ranks import executor_for_case, prefill_and_decode, run_two_ranks
 
 from hotstart import families
 from hotstart.config import EngineConfig, load_model_config
@@ -162,16 +158,7 @@ def test_phi3_two_ranks_give_the_logits_of_one(tiny_checkpoint, tmp_path):
     model = tiny_checkpoint("phi3-tp")
     ids = torch.randint(0, 512, (19,), generator=torch.Generator().manual_seed(1)).tolist()
     cases = [{"name": "phi3-tp", "model": str(model), "fused": False, "ids": ids}]
-    out, init = tmp_path / "logits.pt", tmp_path / "rendezvous"
-    procs = [subprocess.Popen([sys.executable, str(REPO / "tests" / "tp_ranks.py"), str(rank), "2", str(init),
-                               json.dumps(cases), str(out)], env={**os.environ, "PYTHONPATH": str(REPO)})
-             for rank in range(2)]
-    try:
-        assert [p.wait(180) for p in procs] == [0, 0]
-    finally:
-        for p in procs:
-            p.kill()
-    got = torch.load(out)["phi3-tp"]
+    got = run_two_ranks(cases, tmp_path, 180)["phi3-tp"]
     for ours, ref in zip(got, prefill_and_decode(executor_for_case(cases[0], None), ids)):
         assert torch.allclose(ours, ref, atol=1e-4, rtol=0), (ours - ref).abs().max()
 
