@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import sys
 import time
@@ -30,10 +31,12 @@ log = logging.getLogger("hotstart")
 KV_FRACTION = 0.5  # engine/placement.py's CPU_KV_MEMORY_FRACTION: the KV cache's share beside the weights
 
 
-def estimate_cost(path: Path, args: argparse.Namespace, budget: int) -> int:
-    """Bytes a loaded model takes: its safetensors files, plus the KV cache: --kv-cache-memory, else
-    max-num-seqs x max-model-len tokens of K and V in float32 capped as the engine caps it on CPU (half of
-    what is left beside the weights, here of BUDGET)."""
+def estimate_cost(path: Path, args: argparse.Namespace, budget: int, slots: int) -> tuple[int, int]:
+    """(weight bytes, KV-cache bytes) of a loaded model: its safetensors files; the KV cache is
+    --kv-cache-memory, else max-num-seqs x max-model-len tokens of K and V in float32, capped at one
+    of SLOTS (--max-loaded-models) equal shares of what the engine would take alone on CPU (half of what
+    is left beside the weights, here of BUDGET), so that SLOTS such models fit the budget together. The
+    engine is given that KV size (engine_config), so the estimate is what it allocates."""
     weights = sum(p.stat().st_size for p in path.glob("*.safetensors") if p.is_file())
     kv = getattr(args, "kv_cache_memory", None)
     if kv is None:
@@ -43,10 +46,10 @@ def estimate_cost(path: Path, args: argparse.Namespace, budget: int) -> int:
             mc = load_model_config(path)
             tokens = (getattr(args, "max_model_len", None) or mc.max_position_embeddings) * args.max_num_seqs
             need = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * 4 * tokens
-            kv = min(need, int(KV_FRACTION * max(0, budget - weights)))
+            kv = min(need, int(KV_FRACTION * max(0, budget - weights * slots) / max(1, slots)))
         except Exception:  # noqa: BLE001 - a bad config.json fails at load, with the engine's reason
             kv = 0
-    return weights + kv
+    return weights, kv
 
 
 def resolve_all(specs: list[ModelSpec], revision: str | None) -> list[tuple[str, object]]:
@@ -93,16 +96,22 @@ def run_serve_many(args: argparse.Namespace, cfg: ServeConfig, specs: list[Model
         from hotstart.system import mem_available  # noqa: PLC0415
 
         budget = mcfg.models_memory or mem_available() or (1 << 62)
-        records = [ModelRecord(name, str(m.path), cost=estimate_cost(Path(m.path), args, budget))
-                   for name, m in resolved]
+        records = []
+        for name, m in resolved:
+            weights, kv = estimate_cost(Path(m.path), args, budget, mcfg.max_loaded_models)
+            records.append(ModelRecord(name, str(m.path), cost=weights + kv, extra={"kv_bytes": kv}))
         shared = SharedLauncher(launcher) if launcher.use_forkserver else None
         router = ModelRouter(records, None, None, max_loaded=mcfg.max_loaded_models, budget=budget,
                              keep_alive=parse_duration(mcfg.keep_alive),
                              max_waiting=mcfg.max_waiting_requests, preload=preload)
 
         def engine_config(rec: ModelRecord, files: list[Path]) -> EngineConfig:
-            return EngineConfig.from_args(args, model_path=rec.path, weight_files=tuple(map(str, files)),
-                                          cursor_path=None, t0=time.time())
+            cfg = EngineConfig.from_args(args, model_path=rec.path, weight_files=tuple(map(str, files)),
+                                         cursor_path=None, t0=time.time())
+            kv = rec.extra.get("kv_bytes")  # the engine allocates what the budget counted for it
+            if kv and cfg.kv_cache_memory is None:
+                cfg = dataclasses.replace(cfg, kv_cache_memory=kv)
+            return cfg
 
         router.start_engine = engine_starter(router, shared, launcher.use_forkserver, engine_config,
                                              cfg.restart)

@@ -251,7 +251,7 @@ class ModelRouter:
         if rec.cost > self.budget:
             raise ValueError(f"it needs {rec.cost / 2**30:.1f} GiB (weights + KV cache), more than the "
                              f"{self.budget / 2**30:.1f} GiB the models may use (--models-memory)")
-        deadline = time.monotonic() + LOAD_TIMEOUT_S
+        deadline, logged = time.monotonic() + LOAD_TIMEOUT_S, False
         while True:
             active = [r for r in self.records.values() if r is not rec and r.state in (State.LOADING,
                                                                                        State.LOADED)]
@@ -264,8 +264,15 @@ class ModelRouter:
                 victim = min(idle, key=lambda r: r.last_used)
                 victim.evictions += 1
                 await self.unload(victim, f"evicted to make room for {rec.name}")
-            elif not await self._wait_change(deadline):
-                raise TimeoutError(f"no room for it within {LOAD_TIMEOUT_S:.0f} s (every loaded model busy)")
+            else:
+                if not logged:
+                    log.info("hotstart: model %s waits for room: %d of %d engines, %.1f of %.1f GiB, every "
+                             "loaded model busy", rec.name, n, self.max_loaded, used / 2**30,
+                             self.budget / 2**30)
+                    logged = True
+                if not await self._wait_change(deadline):
+                    raise TimeoutError(f"no room for it within {LOAD_TIMEOUT_S:.0f} s "
+                                       "(every loaded model busy)")
 
     async def unload(self, rec: ModelRecord, why: str) -> bool:
         """Stop REC's engine if it is loaded and idle (True when it was)."""
