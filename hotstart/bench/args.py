@@ -2,7 +2,7 @@
 
 `bench` takes verbs; each is registered in BENCH_COMMANDS as (module, function) and imported only when
 run, so `hotstart --help` never pays for a benchmark's imports. Parsers: startup and make-model here,
-serve / load / over-time / prefix-cache in args_serving.py, step / roofline in args_engine.py. A new
+serve / load / soak / over-time / prefix-cache in args_serving.py, step / roofline in args_engine.py. A new
 verb adds a parser there and an entry in BENCH_COMMANDS.
 """
 
@@ -23,6 +23,7 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     "remote": ("hotstart.bench.remote", "run_remote_bench"),
     "serve": ("hotstart.bench.serve", "run_serve_bench"),
     "load": ("hotstart.bench.load", "run_load_bench"),
+    "soak": ("hotstart.bench.soak", "run_soak_bench"),
     "over-time": ("hotstart.bench.over_time", "run_over_time_bench"),
     "prefix-cache": ("hotstart.bench.prefix_cache", "run_prefix_cache_bench"),
     "step": ("hotstart.bench.step", "run_step_bench"),

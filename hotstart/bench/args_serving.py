@@ -1,8 +1,12 @@
-"""Parsers of the serving verbs: `hotstart bench serve | load | over-time | prefix-cache` (argparse only)."""
+"""Parsers of the serving verbs: `hotstart bench serve | load | soak | over-time | prefix-cache` (argparse
+only)."""
 
 from __future__ import annotations
 
 from hotstart.bench.argtypes import NameAction, TargetAction
+
+# `hotstart bench soak --mix` default (soak.py checks it; kept here so that --help imports nothing)
+DEFAULT_MIX = "chat=2,chat_stream=3,text=1,text_stream=2,n=1,json_schema=1,tools=1,hangup=1,bad=1"
 
 OVER_TIME_KINDS = ("hotstart-cold", "hotstart-warm", "vllm", "vllm-cold", "llamacpp", "transformers")
 MODEL_HELP = "model folder or hub id (default: the embedded model)"
@@ -127,6 +131,74 @@ def _add_load(bsub) -> None:
     p.add_argument("--out", default=None, help="write JSON results here")
 
 
+def _add_soak(bsub) -> None:
+    p = bsub.add_parser(
+        "soak", help="a mixed workload for a long time, optional engine faults: errors, latency per window, "
+                     "RSS and descriptors of every server process",
+        description="--clients loops of mixed requests (plain and streamed chat and text completions, n = 2, "
+                    "json_schema, forced tool calls, client hang-ups, bad requests that must get a 4xx) over "
+                    "the served models for --duration seconds; per --window: errors by kind, TTFT and total "
+                    "latency p50/p90/p99, KV cache usage, RSS and descriptors of each process of the server "
+                    "tree; with --fault-every an engine is killed or frozen and its recovery timed. Exit "
+                    "status 1 on a 5xx or failed good request outside fault windows, a bad request not "
+                    "answered 4xx, a hung request, an unrecovered fault, or a process whose RSS grew by more "
+                    "than --rss-growth % / descriptors by more than --fd-slack after its first window "
+                    "(docs/reliability.md).")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--url", default=None, help="a running server, e.g. http://127.0.0.1:8000")
+    where.add_argument("--spawn", action="store_true", help="start `hotstart serve` itself, stop it after")
+    p.add_argument("--pid", type=int, default=None,
+                   help="the server's (API process's) pid (default: the port's owner)")
+    p.add_argument("--extra-pid", type=int, action="append", default=None, metavar="PID",
+                   help="another process whose tree is sampled and whose engines may be faulted, e.g. a "
+                        "zygote's (`hotstart zygote status`; its engines of other servers too); repeatable")
+    p.add_argument("--model", action="append", default=None, metavar="[NAME=]MODEL",
+                   help="with --spawn: what `hotstart serve` serves (repeatable: several = the many-models "
+                        "server; default: the embedded model)")
+    p.add_argument("--server-args", default="", help="with --spawn: extra `hotstart serve` flags")
+    p.add_argument("--dtype", default="auto", help="with --spawn: --dtype for the server")
+    p.add_argument("--omp-threads", type=int, default=None,
+                   help="with --spawn: OMP_NUM_THREADS for the server")
+    p.add_argument("--small-kv", type=float, default=None, metavar="MIB",
+                   help="with --spawn: --kv-cache-memory of MIB MiB, so that the first window touches all "
+                        "of it and later RSS growth is not first-touched KV pages (--url: start the server "
+                        "with --kv-cache-memory BYTES)")
+    p.add_argument("--api-key", default=None, help="the server's API key, if it has one")
+    p.add_argument("--models", default=None, metavar="A,B",
+                   help="the models requests name (default: every model /v1/models lists, but failed ones)")
+    w = p.add_argument_group("workload")
+    w.add_argument("--duration", type=float, default=600.0, help="seconds clients keep starting requests")
+    w.add_argument("--clients", type=int, default=12)
+    w.add_argument("--mix", default=DEFAULT_MIX, metavar="KIND=W,...",
+                   help=f"weights of the request kinds (unnamed ones: 0; default {DEFAULT_MIX})")
+    w.add_argument("--min-tokens", type=int, default=8)
+    w.add_argument("--max-tokens", type=int, default=64)
+    w.add_argument("--request-timeout", type=float, default=120.0,
+                   help="a request without its whole answer by then has hung")
+    w.add_argument("--seed", type=int, default=0)
+    f = p.add_argument_group("faults")
+    f.add_argument("--fault-every", type=float, default=None, metavar="SECONDS",
+                   help="inject a fault into an engine every SECONDS (default: none; more than 5 engine "
+                        "deaths within 60 s end the server: keep it above 12)")
+    f.add_argument("--fault", choices=["kill", "freeze", "both"], default="kill",
+                   help="SIGKILL the engine, SIGSTOP it (the watchdog's case), or alternate")
+    f.add_argument("--freeze-for", type=float, default=30.0,
+                   help="a frozen engine still there after this many seconds is resumed (SIGCONT)")
+    f.add_argument("--fault-grace", type=float, default=2.0,
+                   help="seconds after a fault's recovery still counted as its window")
+    r = p.add_argument_group("report and goals")
+    r.add_argument("--window", type=float, default=60.0, help="seconds per report line")
+    r.add_argument("--sample-every", type=float, default=2.0,
+                   help="seconds between samples of RSS, descriptors and KV usage")
+    r.add_argument("--rss-growth", type=float, default=15.0,
+                   help="%% a process's RSS may grow from its first window to the end")
+    r.add_argument("--fd-slack", type=int, default=8,
+                   help="descriptors a process may gain from its first window to the end")
+    r.add_argument("--settle-timeout", type=float, default=30.0,
+                   help="seconds to wait for the server to be idle before the end sample")
+    p.add_argument("--out", default=None, help="write the JSON report here")
+
+
 def _add_over_time(bsub) -> None:
     p = bsub.add_parser(
         "over-time", help="throughput over the first minutes since launch, under a steady load",
@@ -168,5 +240,6 @@ def add_serving_commands(bsub) -> None:
     """Register the serving verbs on the bench subparsers."""
     _add_serve(bsub)
     _add_load(bsub)
+    _add_soak(bsub)
     _add_over_time(bsub)
     _add_prefix_cache(bsub)

@@ -21,6 +21,7 @@ results go to --out.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -28,6 +29,7 @@ import re
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from hotstart.bench import servers as sv
@@ -123,6 +125,18 @@ async def aborted_request(client, url: str, body: dict, after_chunks: int, timeo
     return rec
 
 
+def stream_problem(rec: dict) -> str | None:
+    """What is wrong with a stream stream_request() read without error: no [DONE], no finish_reason or
+    no usage chunk (None: nothing)."""
+    if not rec["done"]:
+        return "stream ended without [DONE]"
+    if rec["finish_reason"] is None:
+        return "no finish_reason"
+    if rec["tokens"] is None:
+        return "no usage chunk"
+    return None
+
+
 async def client_loop(idx: int, client, url: str, model: str, args, deadline: float, records: list) -> None:
     rng = random.Random(args.seed * 1000 + idx)
     while time.monotonic() < deadline:
@@ -132,12 +146,7 @@ async def client_loop(idx: int, client, url: str, model: str, args, deadline: fl
             rec = await aborted_request(client, url + path, body, rng.randint(1, 8), args.request_timeout)
         else:
             rec = await stream_request(client, url + path, body, args.request_timeout, chat=chat)
-            if rec["error"] is None and not rec["done"]:
-                rec["error"] = "stream ended without [DONE]"
-            elif rec["error"] is None and rec["finish_reason"] is None:
-                rec["error"] = "no finish_reason"
-            elif rec["error"] is None and rec["tokens"] is None:
-                rec["error"] = "no usage chunk"
+            rec["error"] = rec["error"] or stream_problem(rec)
         rec.update(client=idx, t=t_start, path=path, max_tokens=body["max_tokens"], t_end=time.monotonic())
         records.append(rec)
 
@@ -155,7 +164,7 @@ async def run(args, url: str, pid: int | None) -> dict:
                                      "max_tokens": 8, "stream": True}, args.request_timeout)
         if warm["error"] or not warm["done"]:
             raise HotstartError(f"bench load: the warm-up request failed: {warm['error'] or 'no [DONE]'}")
-    res["gauges_before"] = await _gauges(url)
+    res["gauges_before"] = await fetch_gauges(url)
     res["before"] = fd_snapshot(pid) if pid else None
 
     records: list[dict] = []
@@ -194,8 +203,8 @@ async def run(args, url: str, pid: int | None) -> dict:
     # Settle: no client is connected now; the server must drop back to idle without leaking.
     t_settle = time.monotonic()
     while True:
-        gauges = await _gauges(url)
-        after = fd_snapshot(pid) if pid and _alive(pid) else None
+        gauges = await fetch_gauges(url)
+        after = fd_snapshot(pid) if pid and alive(pid) else None
         idle = all(v == 0 for v in gauges.values() if v is not None) and None not in gauges.values()
         before = res["before"]
         fds_ok = after is None or before is None or after["fds"] <= before["fds"] + args.fd_slack
@@ -203,7 +212,7 @@ async def run(args, url: str, pid: int | None) -> dict:
             break
         await asyncio.sleep(0.5)
     res.update(gauges_after=gauges, after=after, settle_s=round(time.monotonic() - t_settle, 2))
-    res["server_alive"] = pid is None or _alive(pid)
+    res["server_alive"] = pid is None or alive(pid)
     res["kv_back_to_zero"] = gauges.get("hotstart_kv_cache_usage_ratio") == 0
     res["queues_empty"] = (gauges.get("hotstart_num_requests_running") == 0
                            and gauges.get("hotstart_num_requests_waiting") == 0)
@@ -216,7 +225,7 @@ async def run(args, url: str, pid: int | None) -> dict:
     return res
 
 
-async def _gauges(url: str) -> dict:
+async def fetch_gauges(url: str) -> dict:
     import httpx
 
     try:
@@ -226,7 +235,7 @@ async def _gauges(url: str) -> dict:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     import psutil
 
     try:
@@ -284,9 +293,12 @@ def _check(args) -> None:
         raise HotstartError(f"--abort-frac must be in 0..1, got {args.abort_frac}")
 
 
-def run_load_bench(args) -> int:
-    """Entry point of `hotstart bench load`. Exit code 0: PASS, 1: FAIL (the reasons printed)."""
-    _check(args)
+@contextlib.contextmanager
+def served(args, models: list[str] | None = None, extra: list[str] = ()) -> Iterator[tuple[str, int | None]]:
+    """The server under test, as (url, pid): `--spawn` starts `hotstart serve MODELS --server-args EXTRA`
+    (MODELS: [--model] by default) and stops it after, printing its last output if anything failed;
+    `--url` is a running one (pid: --pid, else the port's owner, else None). SIGTERM ends the run as
+    Ctrl-C does, so the spawned server is stopped either way."""
 
     def on_term(signum, frame):
         raise KeyboardInterrupt
@@ -296,16 +308,20 @@ def run_load_bench(args) -> int:
     try:
         if args.spawn:
             env = {"OMP_NUM_THREADS": str(args.omp_threads)} if args.omp_threads else {}
-            spec = sv.hotstart_spec(args.model, args.dtype, args.server_args.split())
+            models = [args.model] if models is None and args.model else models or []
+            # the models last, after `--`: leading VAR=value words of the flags are the server's environment
+            words = [*args.server_args.split(), *extra, *(["--", *models] if models else [])]
+            spec = sv.hotstart_spec(None, args.dtype, words)
             srv = sv.spawn(spec, 300.0, env)
-            url, pid = srv.url, srv.pid
-            print(f"spawned hotstart (pid {pid}) at {url}, healthy after {srv.t_health:.1f} s", flush=True)
+            print(f"spawned hotstart (pid {srv.pid}) at {srv.url}, healthy after {srv.t_health:.1f} s",
+                  flush=True)
+            yield srv.url, srv.pid
         else:
             url = args.url.rstrip("/")
             pid = args.pid or sv.server_pid_for(url)
             if pid is None:
-                print("warning: server process not found: fd check skipped", file=sys.stderr)
-        res = asyncio.run(run(args, url, pid))
+                print("warning: server process not found: process checks skipped", file=sys.stderr)
+            yield url, pid
     except BaseException:
         if srv is not None:
             print("".join(srv.lines[-60:]), file=sys.stderr)
@@ -314,6 +330,13 @@ def run_load_bench(args) -> int:
         signal.signal(signal.SIGTERM, old)
         if srv is not None:
             srv.stop()
+
+
+def run_load_bench(args) -> int:
+    """Entry point of `hotstart bench load`. Exit code 0: PASS, 1: FAIL (the reasons printed)."""
+    _check(args)
+    with served(args) as (url, pid):
+        res = asyncio.run(run(args, url, pid))
     res.update(clients=args.clients, duration=args.duration, fd_slack=args.fd_slack,
                args={k: v for k, v in vars(args).items() if v is None or isinstance(v, (str, int, float))},
                load1=round(os.getloadavg()[0], 2))
