@@ -370,6 +370,8 @@ def server_processes(pid: int | None, extra: list[int]) -> dict[int, tuple[objec
         roles = {root_pid: root_role}
         for p in procs[1:]:
             try:
+                if p.status() == psutil.STATUS_ZOMBIE:  # a killed engine not reaped yet: gone
+                    continue
                 cmd, parent = " ".join(p.cmdline()), p.ppid()
             except psutil.Error:
                 continue
@@ -380,7 +382,7 @@ def server_processes(pid: int | None, extra: list[int]) -> dict[int, tuple[objec
                 roles[p.pid] = "engine"
             else:
                 roles[p.pid] = "engine child" if up in ("engine", "engine child") else "child"
-        out.update({p.pid: (p, roles.get(p.pid, "child")) for p in procs})
+        out.update({p.pid: (p, roles[p.pid]) for p in procs if p.pid in roles})
     return out
 
 
@@ -495,6 +497,8 @@ class Soak:
     async def sample(self, client) -> None:
         procs = await asyncio.to_thread(snapshot, self.pid, self.extra)
         kv = metric_values(await read_metrics(client, self.url), "hotstart_kv_cache_usage_ratio")
+        if len(kv) > 1:  # a many-models server: its own unlabelled gauge stands for no engine
+            kv.pop("", None)
         self.samples.append({"t": round(self.now(), 3), "procs": procs, "kv": kv})
 
     async def sampler(self, client) -> None:
