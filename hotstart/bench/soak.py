@@ -534,21 +534,24 @@ class Soak:
             if kind == "freeze":
                 self.stopped.add(target)
                 t_end = time.monotonic() + self.args.freeze_for
-                while time.monotonic() < t_end and _stopped(target):
+                while time.monotonic() < t_end and _exists(target):
                     await asyncio.sleep(0.1)
                 fault["note"] = (
-                    "resumed after --freeze-for (still stopped)"
+                    f"resumed (SIGCONT) after {self.args.freeze_for:g} s"
                     if self.resume(target)
-                    else f"gone or running after {self.now() - fault['t']:.1f} s (the watchdog)"
+                    else f"gone after {self.now() - fault['t']:.1f} s (killed by the watchdog)"
                 )
 
     def resume(self, pid: int) -> bool:
-        """SIGCONT PID if it is still stopped (True then); forget it either way."""
+        """SIGCONT PID if it is still there (True then); forget it either way."""
         self.stopped.discard(pid)
-        if _stopped(pid):
+        if not _exists(pid):
+            return False
+        try:
             os.kill(pid, signal.SIGCONT)
-            return True
-        return False
+        except ProcessLookupError:
+            return False
+        return True
 
     async def settle(self, client) -> None:
         """Until no request runs or waits (or --settle-timeout): the end sample is taken idle."""
@@ -625,11 +628,12 @@ class Soak:
         }
 
 
-def _stopped(pid: int) -> bool:
+def _exists(pid: int) -> bool:
+    """PID is there and not a zombie (a killed engine not reaped yet is gone)."""
     import psutil
 
     try:
-        return psutil.Process(pid).status() == psutil.STATUS_STOPPED
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
 
