@@ -495,7 +495,7 @@ class Soak:
             )
 
     async def sample(self, client) -> None:
-        procs = await asyncio.to_thread(snapshot, self.pid, self.extra)
+        procs = snapshot(self.pid, self.extra)  # a few /proc reads: milliseconds, on the loop
         kv = metric_values(await read_metrics(client, self.url), "hotstart_kv_cache_usage_ratio")
         if len(kv) > 1:  # a many-models server: its own unlabelled gauge stands for no engine
             kv.pop("", None)

@@ -10,7 +10,7 @@ from util import REPO
 
 from hotstart.bench.args import BENCH_COMMANDS
 
-VERBS = ("startup", "remote", "serve", "load", "over-time", "prefix-cache", "step", "roofline")
+VERBS = ("startup", "remote", "serve", "load", "soak", "over-time", "prefix-cache", "step", "roofline")
 
 
 def test_every_verb_is_registered_lazily():
@@ -22,7 +22,8 @@ def test_every_verb_is_registered_lazily():
             "heavy = [m for m in ('torch', 'numpy', 'httpx', 'tokenizers', 'psutil') if m in sys.modules]\n"
             "assert not heavy, heavy\n"
             "assert not [m for m in sys.modules if m.startswith('hotstart.bench.') and m.split('.')[-1] in "
-            "('serve', 'load', 'over_time', 'prefix_cache', 'step', 'roofline', 'startup', 'remote')]\n")
+            "('serve', 'load', 'soak', 'soak_report', 'over_time', 'prefix_cache', 'step', 'roofline', "
+            "'startup', 'remote')]\n")
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
                          check=False)
     assert res.returncode == 0, res.stderr
