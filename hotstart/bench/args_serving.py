@@ -187,6 +187,10 @@ def _add_soak(bsub) -> None:
     f.add_argument("--fault-grace", type=float, default=2.0,
                    help="seconds after a fault's recovery still counted as its window")
     r = p.add_argument_group("report and goals")
+    r.add_argument("--fast-path-timeout", type=float, default=300.0,
+                   help="before the clock starts, wait at most this long for the fast path of every model "
+                        "to be built (its packed weights are RSS the first window must already hold; 0: "
+                        "no wait)")
     r.add_argument("--window", type=float, default=60.0, help="seconds per report line")
     r.add_argument("--sample-every", type=float, default=2.0,
                    help="seconds between samples of RSS, descriptors and KV usage")

@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hotstart.bench import servers as sv
 from hotstart.bench import soak_report as sr
 from hotstart.bench.load import PROMPTS, aborted_request, alive, served, stream_problem
 from hotstart.bench.streams import stream_request
@@ -462,6 +463,30 @@ class Soak:
             raise HotstartError("bench soak: the server serves no model that has not failed")
         return ids
 
+    async def wait_fast_path(self, client, models: list[str]) -> float:
+        """Until the fast path of every model is built (/startup: packing and compile final), at most
+        --fast-path-timeout seconds: it packs a copy of the weights behind READY, RSS growth that the
+        first window must not be left to hold. A server that reports none within 5 s is not waited for.
+        Returns the seconds waited."""
+        import httpx
+
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < self.args.fast_path_timeout:
+            try:
+                r = await client.get(self.url + "/startup", timeout=10)
+                body = r.json() if r.status_code == 200 else {}
+            except (httpx.HTTPError, ValueError):
+                body = {}
+            entries = (
+                [body] if "fast_path" in body else [(body.get("models") or {}).get(m) or {} for m in models]
+            )
+            if not any("fast_path" in e for e in entries) and time.monotonic() - t0 > 5:
+                break
+            if all(sv.fast_path_built(e.get("fast_path")) for e in entries):
+                break
+            await asyncio.sleep(1.0)
+        return round(time.monotonic() - t0, 1)
+
     async def client_loop(self, idx: int, client, models: list[str], deck: Deck, deadline: float) -> None:
         rng = random.Random(self.args.seed * 1000 + idx + 1)
         while time.monotonic() < deadline:
@@ -582,6 +607,7 @@ class Soak:
                 )
                 if warm["error"]:
                     raise HotstartError(f"bench soak: the warm-up request to {m} failed: {warm['error']}")
+            fast_path_wait = await self.wait_fast_path(client, models)
             deck = Deck(parse_mix(args.mix), self.rng)
             self.t0 = time.monotonic()
             deadline = self.t0 + args.duration
@@ -616,6 +642,7 @@ class Soak:
             "window": args.window,
             "wall_s": round(end, 2),
             "mix": parse_mix(args.mix),
+            "fast_path_wait_s": fast_path_wait,
             "stuck_clients": len(pending),
             "left_stopped": left,
             "server_alive": self.pid is None or alive(self.pid),

@@ -237,6 +237,8 @@ def table(res: dict) -> str:
         f"soak: {res['clients']} clients x {res['duration']:g} s on {', '.join(res['models'])}; "
         f"{t['requests']} requests, {t['good_ok']} good ones answered"
     ]
+    if res.get("fast_path_wait_s"):
+        lines[0] += f" (after {res['fast_path_wait_s']} s waiting for the fast path)"
     lines.append("kind          " + " ".join(f"{o:>8}" for o in OUTCOMES))
     for kind, c in t["by_kind"].items():
         lines.append(f"{kind:<13} " + " ".join(f"{c[o]:>8}" for o in OUTCOMES))

@@ -2,8 +2,8 @@
 random-weight tiny model served under two names: two engines), one engine SIGKILLed mid-run. Every
 request kind is sent and answered as it should be, the counts are the server's own (its
 hotstart_http_requests counter by endpoint and status matches the soak's records one for one), the kill
-is found, recovered from and excused, and the report's process table is the server's real tree. About
-20 s on 2 quiet cores."""
+is found, recovered from and excused, and the report's process table is the server's real tree. 12 s of
+soak after the server's start (46 s in all on the development machine with a load average of 12)."""
 
 from __future__ import annotations
 
@@ -39,11 +39,11 @@ def test_short_soak_sends_every_kind_and_survives_a_kill(tmp_path):
     try:
         engines_before = {p.pid for p in psutil.Process(s.proc.pid).children(recursive=True)}
         out = tmp_path / "soak.json"
-        # a few seconds: RSS still grows then (KV pages touched first, the fast path built behind READY),
-        # so the growth limit is loose; the long soak checks the 15 % (docs/reliability.md)
+        # a few seconds: RSS still grows then (KV pages touched for the first time), so the growth limit
+        # is loose; the long soak checks the 15 % (docs/reliability.md)
         args = (
-            "--duration 10 --window 5 --clients 4 --sample-every 0.5 --min-tokens 2 --max-tokens 8 "
-            "--request-timeout 60 --fault-every 5 --fault kill --rss-growth 100"
+            "--duration 12 --window 6 --clients 6 --sample-every 0.5 --min-tokens 2 --max-tokens 8 "
+            "--request-timeout 60 --fault-every 6 --fault kill --rss-growth 100"
         ).split()
         cmd = [sys.executable, "-m", "hotstart", "bench", "soak", "--url", s.url, *args, "--out", str(out)]
         res = run_session(cmd, 180, os.environ, merge_stderr=True, cwd=REPO)
@@ -78,7 +78,7 @@ def test_short_soak_sends_every_kind_and_survives_a_kill(tmp_path):
     # the kill: found, excused, recovered from
     [fault] = data["faults"]
     assert fault["kind"] == "kill" and fault["pid"] in engines_before and fault["recovery_s"] is not None
-    assert 5.0 <= fault["t"] < 7.0 and fault["recovery_s"] < 30 and fault["hung"] == 0
+    assert 6.0 <= fault["t"] < 8.0 and fault["recovery_s"] < 30 and fault["hung"] == 0
     assert t["errors"]["outside"] == {"5xx": 0, "failed": 0, "not_4xx": 0, "hung": 0}
 
     # the process table is the server's tree: its API process, forkserver, two engines and the killed one
@@ -90,6 +90,6 @@ def test_short_soak_sends_every_kind_and_survives_a_kill(tmp_path):
     assert all(p["rss_end"] > 10 and p["fds_end"] > 0 for p in procs.values())
 
     windows = data["windows"]
-    assert [w["t0"] for w in windows] == [0, 5] and sum(w["requests"] for w in windows) == len(records)
+    assert [w["t0"] for w in windows] == [0, 6] and sum(w["requests"] for w in windows) == len(records)
     assert all(set(w["kv_usage_max"]) == {"a", "b"} for w in windows), windows
     assert any(w["ttft"]["p50"] is not None and w["total"]["p99"] is not None for w in windows)
