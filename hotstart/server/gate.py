@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 import msgspec
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from hotstart.server.errors import ApiError, describe
@@ -136,6 +137,8 @@ class Gate:
             finally:
                 if counted:
                     drain.in_flight -= 1
+        except ClientDisconnect:  # the client left (or was cut at --body-timeout) while sending its body
+            status = 499
         except Exception as exc:  # noqa: BLE001 - the last resort: answer, log one line, keep serving
             log.error("hotstart: internal error on %s: %s", path, describe(exc))
             if not started:

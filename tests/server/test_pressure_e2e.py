@@ -36,14 +36,8 @@ def chat(url: str) -> httpx.Response:
 
 def test_idle_connections_the_cap_and_an_engine_sigkill(default_model_dir):
     s = Server(
-        "--served-model-name",
-        "m",
-        "--max-model-len",
-        "256",
-        "--max-connections",
-        "200",
-        "--header-timeout",
-        "5",
+        *"--served-model-name m --max-model-len 256 --max-connections 200".split(),
+        *"--header-timeout 5 --body-timeout 2".split(),
     )
     try:
         idle = idle_sockets(s.url, 150)
@@ -59,6 +53,16 @@ def test_idle_connections_the_cap_and_an_engine_sigkill(default_model_dir):
                 pass
             sock.close()
         assert chat(s.url).status_code == 200
+        [slow_body] = idle_sockets(s.url, 1)
+        slow_body.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 500\r\n\r\n{"model": '
+        )
+        t = time.monotonic()
+        while slow_body.recv(4096):  # cut at --body-timeout, quietly (a 499 in /metrics, no error line)
+            pass
+        assert time.monotonic() - t < 2 + 2
+        assert "internal error" not in s.output, s.output[-2000:]
 
         [engine] = [e for fs in psutil.Process(s.proc.pid).children() for e in fs.children()]
         engine.send_signal(signal.SIGKILL)
