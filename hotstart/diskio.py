@@ -21,8 +21,18 @@ from pathlib import Path
 
 HOME_ENV = "HOTSTART_HOME_UNWRITABLE"  # set (to the reason) by check_home(); inherited by children
 MIN_FREE_BYTES = 64 << 20  # less free space than this under $HOTSTART_HOME counts as full
-DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR,
-                         errno.EFBIG, errno.EEXIST})
+DISK_ERRNOS = frozenset(
+    {
+        errno.ENOSPC,
+        errno.EDQUOT,
+        errno.EROFS,
+        errno.EACCES,
+        errno.EPERM,
+        errno.ENOTDIR,
+        errno.EFBIG,
+        errno.EEXIST,
+    }
+)
 
 
 def is_disk_error(exc: BaseException) -> bool:
@@ -117,9 +127,12 @@ def check_home(home: Path) -> str | None:
     why = home_problem(home)
     if why is not None:
         os.environ[HOME_ENV] = why
-        print(f"hotstart: WARNING: $HOTSTART_HOME ({home}) {why}: nothing is cached this run (compile cache, "
-              "import manifests, models to convert or download); what is cached already serves",
-              file=sys.stderr, flush=True)
+        print(
+            f"hotstart: WARNING: $HOTSTART_HOME ({home}) {why}: nothing is cached this run (compile cache, "
+            "import manifests, models to convert or download); what is cached already serves",
+            file=sys.stderr,
+            flush=True,
+        )
     else:
         os.environ.pop(HOME_ENV, None)
     return why
