@@ -129,13 +129,16 @@ def main(argv: list[str] | None = None) -> int:
 
             exit_on_sigterm()
             serve_cfg = ServeConfig.from_args(args)
+            from hotstart.diskio import check_home  # noqa: PLC0415 - stdlib only
+            from hotstart.system import hotstart_home  # noqa: PLC0415
+
+            check_home(hotstart_home())  # one warning if it is read-only or full; the children learn it too
             launcher = EngineLauncher(use_forkserver=serve_cfg.prespawn, zygote=serve_cfg.zygote)
             try:
                 launcher.start()
                 imports = None
                 if serve_cfg.prefetch and serve_cfg.import_prefetch:  # the bytes the imports need, first
                     from hotstart.boot.iosched import start_import_prefetch
-                    from hotstart.system import hotstart_home
 
                     imports = start_import_prefetch(hotstart_home(), forkserver=launcher.server is not None)
                 from hotstart.server.launch import run_serve  # noqa: PLC0415

@@ -7,7 +7,17 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any
 
-from hotstart.flags import at_least_one, bucket_list, fraction, name, non_negative, option, port, values
+from hotstart.flags import (
+    at_least_one,
+    bucket_list,
+    fraction,
+    memory_amount,
+    name,
+    non_negative,
+    option,
+    port,
+    values,
+)
 from hotstart.model_config import ModelConfig, RopeConfig, load_model_config
 
 __all__ = ["EngineConfig", "ModelConfig", "RopeConfig", "ServeConfig", "load_model_config", "serial_baseline"]
@@ -84,6 +94,18 @@ class ServeConfig:
         None, "require 'Authorization: Bearer KEY' (prefer the environment variable HOTSTART_API_KEY: other "
               "users can read flags in ps)", env="HOTSTART_API_KEY")
     max_request_bytes: int = option(1 << 20, "largest accepted request body", type=at_least_one)
+    max_connections: int = option(
+        512, "most open HTTP connections; a connection opened past it has 2 s to send its request, which is "
+             "answered 503 (OpenAI error JSON, Retry-After)", type=at_least_one)
+    header_timeout: int = option(
+        10, "seconds a connection has to send a request's headers, from when it opens or its last response "
+            "ends (idle and half-open sockets are closed after it)", type=at_least_one)
+    body_timeout: int = option(30, "seconds a request has to send its body once its headers are in",
+                               type=at_least_one)
+    min_free_memory: str = option(
+        "auto", "while MemAvailable is below this, new requests wait up to 1 s, then get 503 with "
+                "Retry-After instead of the engine meeting the OOM killer: bytes (512M, 2G), a percentage of "
+                "RAM, 0 (off), or auto (5%% of RAM, at most 1 GiB)", type=memory_amount)
     prespawn: bool = option(True, "start the engine after the API is up, as a fresh interpreter (ablation)",
                             flag="--no-prespawn", action="store_false")
     prefetch: bool = option(True, "do not prefetch weights into the page cache (ablation)",

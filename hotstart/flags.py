@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from typing import Any
 
 
@@ -55,6 +56,22 @@ def bucket_list(text: str) -> str:
 
 
 bucket_list.metavar = "N,N,..."
+
+
+_AMOUNT = re.compile(r"(?:auto|(\d+(?:\.\d+)?)%|\d+(?:\.\d+)?(?:[kmgt]i?b?)?)", re.IGNORECASE)
+
+
+def memory_amount(text: str) -> str:
+    """An amount of memory: bytes (512M, 1.5GiB, 0), a percentage of MemTotal (5%), or auto (kept as
+    text; server/memory.py's min_free_bytes reads it)."""
+    m = _AMOUNT.fullmatch(text.strip())
+    if m is None or (m.group(1) is not None and float(m.group(1)) > 100):
+        raise argparse.ArgumentTypeError(f"expected bytes (512M, 2G), a percentage (5%) or auto, got "
+                                         f"{text!r}")
+    return text.strip()
+
+
+memory_amount.metavar = "SIZE"
 
 
 def name(text: str) -> str:

@@ -3,8 +3,9 @@
 It is converted once into a Hugging Face folder (bf16 safetensors + tokenizer + chat template) under
 $HOTSTART_HOME (default ~/.cache/hotstart). The conversion runs in a subprocess
 (`python -m hotstart.boot.default_model`) because it needs torch and transformers, which the API
-process never imports. It writes into a temporary folder beside the target and renames it into place,
-so an interrupted conversion never leaves a half-written model behind.
+process never imports. It writes into a temporary folder beside the target, fsyncs it and renames it
+into place, so an interrupted conversion or a full disk never leaves a half-written model behind; the
+marker written last lists every file's size, and a folder whose files do not match is converted again.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import threading
 import time
 from pathlib import Path
 
+from hotstart.diskio import fsync_dir, fsync_tree, is_disk_error
 from hotstart.errors import HotstartError
 from hotstart.system import hotstart_home
 
@@ -47,7 +49,17 @@ def find_gguf() -> Path:
 
 
 def is_converted(path: Path) -> bool:
-    return (path / COMPLETE_MARKER).is_file()
+    """The folder is a finished conversion: its marker (written last) is there, and every file it lists
+    has the size it lists (a folder renamed into place before its files reached the disk is not)."""
+    try:
+        lines = (path / COMPLETE_MARKER).read_text().splitlines()[1:]
+        for line in lines:
+            name, _, size = line.rpartition(" ")
+            if (path / name).stat().st_size != int(size):
+                return False
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def ensure_default_model(quiet: bool = False, timeout: float = 900.0) -> Path:
@@ -135,10 +147,14 @@ def convert(target: Path) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
         tmp.chmod(0o755)
-        (tmp / COMPLETE_MARKER).write_text(f"converted from {gguf}\n")
+        files = sorted(p for p in tmp.iterdir() if p.is_file())
+        listing = "".join(f"{p.name} {p.stat().st_size}\n" for p in files)
+        (tmp / COMPLETE_MARKER).write_text(f"converted from {gguf}\n{listing}")
+        fsync_tree(tmp)  # every file on disk before the folder is renamed into place
         if target.exists():  # a stale, incomplete folder from an older conversion
             shutil.rmtree(target)
         os.replace(tmp, target)
+        fsync_dir(target.parent)
         _step(f"done: {target}", t0)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -157,6 +173,8 @@ def main() -> int:
             reason = (
                 f"no space left on device in {target.parent} (the model needs ~300 MB; set HOTSTART_HOME)"
             )
+        elif is_disk_error(e):
+            reason = f"cannot write {target.parent} ({getattr(e, 'strerror', None) or e}; set HOTSTART_HOME)"
         else:
             reason = f"{type(e).__name__}: {e}".splitlines()[0]
         print(f"hotstart: default model conversion failed: {reason}", file=sys.stderr)

@@ -25,6 +25,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from hotstart.diskio import home_writable, write_atomic
+
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 MERGE_GAP = 256 << 10  # page runs closer than this are read as one (a read beats another seek)
 STALE_FRACTION = 0.1
@@ -98,7 +100,10 @@ def _mapped_runs() -> dict[str, list[tuple[int, int]]]:
 
 
 def record(path: Path) -> int:
-    """Write this process's manifest to PATH (atomically); returns the bytes it lists."""
+    """Write this process's manifest to PATH (atomically); returns the bytes it lists (0: not written, as
+    $HOTSTART_HOME takes no writes this run: diskio.check_home)."""
+    if not home_writable():
+        return 0
     mapped = _mapped_runs()
     entries: list[Entry] = []
     seen: set[str] = set()
@@ -127,9 +132,8 @@ def record(path: Path) -> int:
     for lib in libs:  # the interpreter's own and the system's libraries
         add(lib, mapped[lib])
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"entries": [[e.path, e.size, e.mtime_ns, e.runs] for e in entries]}))
-    os.replace(tmp, path)
+    body = {"entries": [[e.path, e.size, e.mtime_ns, e.runs] for e in entries]}
+    write_atomic(path, json.dumps(body).encode())
     return sum(e.nbytes for e in entries)
 
 

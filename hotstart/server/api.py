@@ -77,6 +77,8 @@ class ApiSettings:
     """hermes | llama3_json (hotstart/server/tools.py); None: chosen from the chat template's text."""
     auto_tool_choice: bool = True
     """Parse tool calls out of answers to tool_choice auto (else they stay text)."""
+    memory_guard: Any = None
+    """A server/memory.py MemoryGuard: new requests wait, then get 503, while memory is short (None: none)."""
 
 
 class OpenAIServing:
@@ -321,7 +323,8 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, settings: ApiSettings)
     app.state.prefetch_stats = None
     app.state.download_stats = None  # s3:// models: a callable, its result under "download" in /startup
     app.state.drain = serving.drain  # server/launch.py begins (and forces) it on SIGTERM
-    app.add_middleware(Gate, api_key=settings.api_key, metrics=serving.metrics, drain=serving.drain)
+    app.add_middleware(Gate, api_key=settings.api_key, metrics=serving.metrics, drain=serving.drain,
+                       memory=settings.memory_guard)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_api_route("/v1/chat/completions", serving.chat_completions, methods=["POST"])

@@ -1,5 +1,5 @@
-"""The ASGI gate in front of every endpoint: API key, request counting, the drain (SIGTERM), last-resort 500
-(torch-free)."""
+"""The ASGI gate in front of every endpoint: API key, request counting, the drain (SIGTERM), memory
+pressure (server/memory.py), last-resort 500 (torch-free)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 import msgspec
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from hotstart.server.errors import ApiError, describe
@@ -75,14 +76,16 @@ class Drain:
 
 class Gate:
     """Pure ASGI middleware: the API-key check (every path but /health and /live), request counting by
-    status, the drain (Drain above), and the last resort for unexpected exceptions: a one-line log and an
-    OpenAI-shaped 500, never a traceback (Starlette's ServerErrorMiddleware would answer, then re-raise it
-    to uvicorn's log)."""
+    status, the drain (Drain above), memory pressure (MEMORY, a server/memory.py MemoryGuard: a POST
+    waits briefly, then 503, while memory is short), and the last resort for unexpected exceptions: a
+    one-line log and an OpenAI-shaped 500, never a traceback (Starlette's ServerErrorMiddleware would
+    answer, then re-raise it to uvicorn's log)."""
 
     OPEN_PATHS = frozenset({"/health", "/live"})
 
-    def __init__(self, app, api_key: str | None, metrics: Metrics, drain: Drain | None = None) -> None:
-        self.app, self.metrics = app, metrics
+    def __init__(self, app, api_key: str | None, metrics: Metrics, drain: Drain | None = None,
+                 memory=None) -> None:
+        self.app, self.metrics, self.memory = app, metrics, memory
         self.drain = drain if drain is not None else Drain()
         self.key = api_key.encode() if api_key else None
 
@@ -123,6 +126,10 @@ class Gate:
             if drain.draining and (counted or path == "/health"):
                 resp = drain.refusal() if counted else drain.health()
                 return await resp(scope, receive, send_counted)
+            if self.memory is not None and scope["method"] == "POST":  # new work: generation, a load
+                refusal = await self.memory.admit()
+                if refusal is not None:
+                    return await refusal(scope, receive, send_counted)
             if counted:
                 drain.in_flight += 1
             try:
@@ -130,6 +137,8 @@ class Gate:
             finally:
                 if counted:
                     drain.in_flight -= 1
+        except ClientDisconnect:  # the client left (or was cut at --body-timeout) while sending its body
+            status = 499
         except Exception as exc:  # noqa: BLE001 - the last resort: answer, log one line, keep serving
             log.error("hotstart: internal error on %s: %s", path, describe(exc))
             if not started:

@@ -145,6 +145,7 @@ def run_serve(args: argparse.Namespace, cfg: ServeConfig, t0: float, launcher: E
         client = make_engine_client(engine_cfg, timeline, launcher=launcher, auto_restart=cfg.restart)
         with timeline.phase("web stack imported"):
             from hotstart.server.api import ApiSettings, build_app  # noqa: PLC0415
+            from hotstart.server.memory import memory_guard  # noqa: PLC0415
             from hotstart.server.validation import sampling_defaults  # noqa: PLC0415
             from hotstart.text.tokenizer import Tokenizer  # noqa: PLC0415
         with timeline.phase("tokenizer loaded"):
@@ -158,6 +159,7 @@ def run_serve(args: argparse.Namespace, cfg: ServeConfig, t0: float, launcher: E
             sampling_defaults=sampling_defaults(model.path, cfg.generation_config),
             tool_call_parser=None if cfg.tool_call_parser == "auto" else cfg.tool_call_parser,
             auto_tool_choice=cfg.enable_auto_tool_choice,
+            memory_guard=memory_guard(cfg.min_free_memory),
         )
         app = build_app(client, tokenizer, settings)
         if prefetcher is not None:
@@ -178,7 +180,7 @@ def run_serve(args: argparse.Namespace, cfg: ServeConfig, t0: float, launcher: E
             client.spawn()  # the serial way: a fresh interpreter, once the API is otherwise ready
         import asyncio  # noqa: PLC0415
 
-        return asyncio.run(_serve(app, sock, client, prefetcher, imports, cfg.shutdown_timeout))
+        return asyncio.run(_serve(app, sock, client, cfg, prefetcher, imports))
     finally:
         if remote is not None:
             remote.stop()  # in-flight chunks end; what is written is kept for the next start
@@ -251,22 +253,48 @@ class Shutdown:
         self.server.should_exit = True
 
 
-async def _serve(app, sock: socket.socket, client, prefetcher, imports=None,
-                 shutdown_timeout: float = 25.0) -> int:
+def uvicorn_config(app, cfg: ServeConfig):
+    """uvicorn's settings: our protocol (server/connections.py: header and body deadlines, the connection
+    cap with an OpenAI-shaped 503), our logging, no lifespan."""
     import uvicorn  # noqa: PLC0415
+
+    from hotstart.server.connections import ConnectionLimits, protocol_class  # noqa: PLC0415
+
+    limits = ConnectionLimits(cfg.max_connections, cfg.header_timeout, cfg.body_timeout)
+    return uvicorn.Config(app, http=protocol_class(limits), log_level="warning", access_log=False,
+                          lifespan="off", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+
+
+async def _sample_memory(every: float) -> None:
+    """Keep MemAvailable's last reading fresh (what an engine death by SIGKILL is reported with)."""
+    import asyncio  # noqa: PLC0415
+
+    from hotstart.server import memory  # noqa: PLC0415
+
+    memory.prime()
+    while True:
+        await asyncio.sleep(every)
+        memory.SAMPLER.available()
+
+
+async def _serve(app, sock: socket.socket, client, cfg: ServeConfig, prefetcher=None, imports=None) -> int:
+    """Serve APP on SOCK until a signal or the engine's fatal end (one model, or server/multi_launch.py's
+    router standing in for CLIENT)."""
+    import uvicorn  # noqa: PLC0415
+
+    from hotstart.server.memory import SAMPLE_S  # noqa: PLC0415
 
     class Server(uvicorn.Server):
         @contextlib.contextmanager
         def capture_signals(self):  # we install our own handlers on the loop below
             yield
 
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-    server = Server(config)
+    server = Server(uvicorn_config(app, cfg))
     import asyncio  # noqa: PLC0415
 
     loop = asyncio.get_running_loop()
-    shutdown = Shutdown(server, client, getattr(app.state, "drain", None), shutdown_timeout)
+    sampler = loop.create_task(_sample_memory(SAMPLE_S))
+    shutdown = Shutdown(server, client, getattr(app.state, "drain", None), cfg.shutdown_timeout)
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, shutdown.on_signal, sig)
 
@@ -292,6 +320,7 @@ async def _serve(app, sock: socket.socket, client, prefetcher, imports=None,
     try:
         await server.serve(sockets=[sock])
     finally:
+        sampler.cancel()
         if prefetcher is not None:
             prefetcher.stop()
         await client.close()

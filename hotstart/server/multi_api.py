@@ -26,6 +26,7 @@ from starlette.responses import Response, StreamingResponse
 from hotstart.server.api import _api_error, _http_error
 from hotstart.server.errors import ApiError, bad_param
 from hotstart.server.gate import Gate, error_response, json_response
+from hotstart.server.memory import memory_guard
 from hotstart.server.metrics import CONTENT_TYPE, Metrics
 from hotstart.server.model_specs import parse_duration
 from hotstart.server.router import UNSET, ModelRecord, ModelRouter, RetryLater, State
@@ -220,7 +221,8 @@ def build_multi_app(router: ModelRouter, cfg, timeline) -> FastAPI:
     app = FastAPI(title="hotstart", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.metrics = serving.metrics
     app.state.set_startup_seconds = serving.metrics.set_startup_duration
-    app.add_middleware(Gate, api_key=cfg.api_key, metrics=serving.metrics)
+    app.add_middleware(Gate, api_key=cfg.api_key, metrics=serving.metrics,
+                       memory=memory_guard(cfg.min_free_memory))
     app.add_exception_handler(RetryLater, _retry_later)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)

@@ -126,7 +126,7 @@ def run_serve_many(args: argparse.Namespace, cfg: ServeConfig, specs: list[Model
             log.warning("hotstart: WARNING: listening on all interfaces without --api-key")
         print(f"hotstart: serving {len(records)} models ({', '.join(router.records)}) on "
               f"http://{host}:{port} (health: /health)", file=sys.stderr, flush=True)
-        return asyncio.run(_serve(app, sock, RouterLifecycle(router, timeline), None))
+        return asyncio.run(_serve(app, sock, RouterLifecycle(router, timeline), cfg))
     finally:
         for remote in remotes:
             remote.stop()

@@ -28,6 +28,7 @@ from hotstart.boot.timeline import Timeline
 from hotstart.config import EngineConfig
 from hotstart.forkserver.client import EngineLauncher
 from hotstart.messages import RANK_LEFT, EngineExited, EngineSpawned, ForkserverExited, ServerInfo, Span
+from hotstart.server.memory import exit_cause
 
 log = logging.getLogger("hotstart")
 DIRECT_POLL_S = 0.1  # exit check of a directly spawned engine (no forkserver socket to watch)
@@ -138,9 +139,10 @@ class EngineSupervisor:
                 # this batch are of a generation replaced meanwhile)
                 tp = self.cfg.tensor_parallel_size
                 what = f"engine rank {ev.rank} of {tp} exited" if tp > 1 else "engine process exited"
-                self._engine_died(f"{what} (code {ev.code})", forkserver_dead=False)
+                cause = exit_cause(ev.code, ev.pid)  # a SIGKILL: the OOM killer?
+                self._engine_died(f"{what} (code {ev.code}){cause}", forkserver_dead=False)
             elif isinstance(ev, ForkserverExited):
-                code = "" if ev.code is None else f" (code {ev.code})"
+                code = "" if ev.code is None else f" (code {ev.code}){exit_cause(ev.code)}"
                 self._engine_died(f"{self.launcher.last_lost} exited{code}", forkserver_dead=True)
 
     def _engine_died(self, what: str, forkserver_dead: bool) -> None:

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from hotstart import diskio
 from hotstart.boot.remote.url import RemoteSpec
 from hotstart.errors import HotstartError
 from hotstart.model.files import SIDECAR_NAMES
@@ -122,12 +122,8 @@ def header_size_check(spec: RemoteSpec, obj: RemoteObject, head: bytes) -> int |
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Temp name, fsync, rename, folder fsync; a failed write (a full disk) leaves no temp file."""
+    diskio.write_atomic(path, data)
 
 
 def write_manifest(snap: Path, spec: RemoteSpec, endpoint: str, objects: list[RemoteObject]) -> None:

@@ -12,7 +12,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from hotstart.engine.fastpath.cache import LayerSpec, cache_folder, package_name, remove_stale
+from hotstart.diskio import home_writable
+from hotstart.engine.fastpath.cache import (
+    LayerSpec,
+    cache_folder,
+    discard,
+    package_name,
+    remove_stale,
+    usable,
+)
 from hotstart.engine.fastpath.layer_graphs import LayerGraphForward
 from hotstart.engine.fastpath.pack import LM_HEAD, pack_layer
 from hotstart.engine.fastpath.plan import compile_plan, packing_plan
@@ -43,6 +51,7 @@ class FastPath:
         self.folder: Path | None = None  # the compile cache's folder of this model's layer graphs
         self.proc: subprocess.Popen | None = None  # the compile worker
         self._out = b""  # its stdout not yet split into lines
+        self._errors_logged: set[str] = set()  # compile errors logged once each
         self._last_report = 0.0
         self._dirty = True
         self._sent: FastPathStatus | None = None
@@ -113,20 +122,25 @@ class FastPath:
         spec = LayerSpec.of(self.core.model_cfg)
         self.compile.move(S.COMPILING)
         self.folder = cache_folder(spec, p.dtype)
-        self.folder.mkdir(parents=True, exist_ok=True)
-        remove_stale(self.folder)
+        writable = home_writable()  # else the API process said so, once: what is cached serves
+        if writable:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            remove_stale(self.folder)
         self.forward = LayerGraphForward(self.model)
         missing = []
         for b, bucket in self.buckets.items():
             bucket.move(S.COMPILING)
             path = self.folder / package_name(b)
-            if path.is_file():
+            if usable(path):
                 self._load(b, str(path), time.time(), "from the compile cache")
             else:
                 missing.append(b)
         self.runner.compiled = self.forward
         self._dirty = True
-        if not missing:
+        if not writable:
+            for b in missing:
+                self.buckets[b].move(S.FAILED, "not compiled: $HOTSTART_HOME takes no writes this run")
+        if not missing or not writable:
             self._settle_compile()
             return
         job = json.dumps({"model": self.core.model_cfg.path, "dtype": str(p.dtype).removeprefix("torch."),
@@ -144,6 +158,7 @@ class FastPath:
         try:
             self.forward.load(tokens, path)
         except Exception as e:  # noqa: BLE001 - e.g. a package from an incompatible build
+            discard(Path(path))  # the next start compiles it again
             self.buckets[tokens].move(S.FAILED, f"cannot load: {type(e).__name__}")
             log.error(f"hotstart: engine: layer graph for {tokens} tokens failed to load ({e}); "
                       "that bucket stays eager")
@@ -184,8 +199,10 @@ class FastPath:
         tokens = msg["tokens"]
         if "error" in msg:
             self.buckets[tokens].move(S.FAILED, msg["error"])
-            log.error(f"hotstart: engine: compiling the layer graph for {tokens} tokens failed "
-                      f"({msg['error']}); that bucket stays eager")
+            if msg["error"] not in self._errors_logged:  # a full disk fails every bucket the same way
+                self._errors_logged.add(msg["error"])
+                log.error(f"hotstart: engine: compiling the layer graph for {tokens} tokens failed "
+                          f"({msg['error']}); that bucket stays eager (and any other failing the same way)")
             self._dirty = True
         else:
             self._load(tokens, msg["path"], msg["start"], "compiled")

@@ -1,5 +1,10 @@
 """The compile cache: $HOTSTART_HOME/compile/KEY/layers-T{tokens}.pt2, one AOTInductor package per token
-bucket, reused by every later start whose layer graphs would compile the same."""
+bucket, reused by every later start whose layer graphs would compile the same.
+
+A package is written to a temporary name, fsynced and renamed (`publish`, hotstart/diskio.py); a reader
+loads one only if it is a complete zip (`usable`), and one that is not, or fails to load, is removed so
+the next start compiles it again. A $HOTSTART_HOME that takes no writes (diskio.check_home) leaves the
+buckets not cached eager, and the cached ones serve."""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from pathlib import Path
 import torch
 
 from hotstart import __version__
+from hotstart.diskio import home_writable
 from hotstart.model.registry import model_class
 from hotstart.model_config import ModelConfig
 from hotstart.system import cpu_flags, hotstart_home
@@ -69,4 +75,30 @@ def remove_stale(folder: Path) -> None:
         except (ValueError, ProcessLookupError):
             f.unlink(missing_ok=True)
         except PermissionError:
+            pass
+
+
+def usable(path: Path) -> bool:
+    """Whether PATH is a package a start may load: a zip whose central directory (at its end) reads. One
+    that exists but is not (a torn write from before packages were fsynced, a foreign file) is removed."""
+    import zipfile  # noqa: PLC0415 - only when a cached package is there to check
+
+    if not path.is_file():
+        return False
+    try:
+        with zipfile.ZipFile(path) as z:
+            if z.namelist():
+                return True
+    except (OSError, zipfile.BadZipFile):
+        pass
+    discard(path)
+    return False
+
+
+def discard(path: Path) -> None:
+    """Remove a package that cannot serve (it would fail every later start the same way)."""
+    if home_writable():
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:
             pass

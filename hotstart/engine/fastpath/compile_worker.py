@@ -61,6 +61,7 @@ def compile_bucket(model_path: str, tokens: int, dtype, folder: Path) -> Path:
     import torch  # noqa: PLC0415
     import torch._inductor  # noqa: PLC0415 - only this process ever imports inductor
 
+    from hotstart.diskio import publish  # noqa: PLC0415
     from hotstart.engine.fastpath.cache import package_name  # noqa: PLC0415
     from hotstart.engine.fastpath.layer_graphs import MidGraph, example_inputs  # noqa: PLC0415
 
@@ -69,16 +70,18 @@ def compile_bucket(model_path: str, tokens: int, dtype, folder: Path) -> Path:
     with torch.no_grad():
         program = torch.export.export(graph, example_inputs(graph, tokens, cfg.q_size, cfg.head_dim, dtype))
     out = folder / package_name(tokens)
-    tmp = folder / f".{package_name(tokens)}.{os.getpid()}.tmp.pt2"
+    tmp = folder / f".{package_name(tokens)}.{os.getpid()}.tmp.pt2"  # cache.remove_stale's pattern
     try:
         torch._inductor.aoti_compile_and_package(program, package_path=str(tmp))
-        os.replace(tmp, out)
-    finally:
+    except BaseException:
         tmp.unlink(missing_ok=True)
+        raise
+    publish(tmp, out)  # fsynced, renamed, the folder fsynced; tmp removed on failure
     return out
 
 
 def main() -> None:
+    from hotstart.diskio import is_disk_error  # noqa: PLC0415
     from hotstart.procs import die_with_parent  # noqa: PLC0415
 
     die_with_parent(signal.SIGKILL)
@@ -94,12 +97,18 @@ def main() -> None:
 
     torch.set_num_threads(1)
     dtype = getattr(torch, job["dtype"])
-    for tokens in job["buckets"]:
+    buckets = list(job["buckets"])
+    for i, tokens in enumerate(buckets):
         start = time.time()
         try:
             path = compile_bucket(job["model"], tokens, dtype, folder)
             _say({"tokens": tokens, "path": str(path), "start": start, "end": time.time()})
         except Exception as e:  # noqa: BLE001 - reported to the engine, which keeps serving eagerly
+            if is_disk_error(e):  # a full or read-only cache: the others would fail the same way
+                why = f"cannot write the compile cache in {folder}: {getattr(e, 'strerror', None) or e}"
+                for t in buckets[i:]:
+                    _say({"tokens": t, "error": why[:300], "start": start, "end": time.time()})
+                break
             last = traceback.format_exception_only(type(e), e)[-1].strip().splitlines()[0][:300]
             _say({"tokens": tokens, "error": last, "start": start, "end": time.time()})
     os._exit(0)
