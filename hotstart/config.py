@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any
 
+from hotstart.engine.spec_config import speculative_config
 from hotstart.flags import (
     at_least_one,
     bucket_list,
@@ -65,6 +66,11 @@ class EngineConfig:
            "forkserver: gloo on CPU, NCCL on CUDA with rank r on cuda:r); the attention and KV heads must be "
            "divisible by it",
         short="-tp", type=at_least_one)
+    speculative_config: str | None = option(
+        None, "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+              "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' drafts up to K tokens per sequence by "
+              "prompt lookup and verifies them in one forward (same output; docs/serving.md)",
+        type=speculative_config)
     cursor_path: str | None = None  # LoadCursor file shared with the API process's prefetcher (None: none)
     t0: float = 0.0  # launch time (time.time()) for the startup timeline
 

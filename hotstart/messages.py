@@ -113,6 +113,10 @@ class EngineStats(msgspec.Struct):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     prompt_tokens_computed: int = 0
+    # speculative decoding (engine totals): drafts verified, their tokens, and of those the accepted ones
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
 
 class StepOutputs(msgspec.Struct, tag="out"):

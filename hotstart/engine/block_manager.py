@@ -171,13 +171,23 @@ class BlockManager:
         copies, self.pending_copies = self.pending_copies, []
         return copies
 
-    def free(self, seq: Sequence) -> None:
-        for b in reversed(seq.block_table):
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Free SEQ's blocks past the first NUM_TOKENS tokens (rejected speculative drafts: never cached,
+        never shared)."""
+        keep = blocks_for(num_tokens, self.block_size)
+        self._release(seq.block_table[keep:])
+        del seq.block_table[keep:]
+
+    def _release(self, blocks: list[int]) -> None:
+        for b in reversed(blocks):
             self.ref[b] -= 1
             if self.ref[b] == 0:
                 self._free[b] = None
                 if self.hash_of[b] is None:  # nothing worth keeping: hand it out before cached ones
                     self._free.move_to_end(b, last=False)
+
+    def free(self, seq: Sequence) -> None:
+        self._release(seq.block_table)
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_cached_blocks = 0

@@ -2,8 +2,9 @@
 
 schedule picks this step's sequences and token counts, execute runs the forward through the executor
 (engine/executor.py: this process, or a tensor-parallel group), update advances the sequences' counters,
-samples and builds the outputs. The process shell (worker.py) and the offline `hotstart generate` both
-drive it; tests call it directly.
+samples and builds the outputs. With --speculative-config, decoding sequences may carry a draft that
+the step verifies (engine/spec_decode.py: drafted before scheduling, verified in _verify). The process
+shell (worker.py) and the offline `hotstart generate` both drive it; tests call it directly.
 """
 
 from __future__ import annotations
@@ -46,6 +47,23 @@ class Scheduled:
     batch: list[tuple[Sequence, int]]  # [B] (sequence, new tokens this step)
     sampling: list[bool]  # [B] all its tokens computed after this step: it samples
     prompt_positions: list[range] | None  # [B] prompt tokens whose logprobs it yields; None: none asked
+    drafts: list[int] | None = None  # [B] draft tokens verified (after its last token); None: no drafts
+
+    @property
+    def want_logits(self) -> list[bool]:
+        """[B] the entry's logits at its last token (sampling without a draft)."""
+        if self.drafts is None:
+            return self.sampling
+        return [w and not d for w, d in zip(self.sampling, self.drafts, strict=True)]
+
+    @property
+    def all_logits(self) -> list[bool] | None:
+        """[B] the entry's logits at every new token (prompt logprobs, or a draft to verify)."""
+        if not self.prompt_positions and self.drafts is None:
+            return None
+        prompt = self.prompt_positions or [range(0)] * len(self.batch)
+        drafts = self.drafts or [0] * len(self.batch)
+        return [bool(p) or d > 0 for p, d in zip(prompt, drafts, strict=True)]
 
 
 class EngineCore:
@@ -62,6 +80,12 @@ class EngineCore:
         self.prompt_tokens_computed = 0
         self._num_prompt_logprobs = 0  # live sequences still collecting prompt logprobs
         self.grammars: Grammars | None = None  # built by the first constrained request (engine/grammar.py)
+        self.spec = None  # the NgramSpeculator of --speculative-config (engine/spec_decode.py)
+        if cfg.speculative_config:
+            from hotstart.engine.spec_config import SpecConfig  # noqa: PLC0415 - only with the option
+            from hotstart.engine.spec_decode import NgramSpeculator  # noqa: PLC0415
+
+            self.spec = NgramSpeculator(SpecConfig.parse(cfg.speculative_config), max_model_len)
 
     @classmethod
     def build(cls, cfg: EngineConfig, on_span: SpanHook | None = None,
@@ -169,6 +193,7 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=self.blocks.cache_queries, prefix_cache_hits=self.blocks.cache_hits,
             prompt_tokens_computed=self.prompt_tokens_computed,
+            **({} if self.spec is None else self.spec.stats()),
         )
 
     # --- the step -------------------------------------------------------------------------
@@ -193,15 +218,20 @@ class EngineCore:
 
     def _schedule(self) -> Scheduled | None:
         """This step's sequences and token counts (the scheduler), and what each wants back; None: idle."""
+        if self.spec is not None:
+            self.spec.draft(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch:
             return None
-        # a sequence samples once all its tokens are computed (end of prefill, or a decode)
-        sampling = [seq.num_computed_tokens + n == seq.num_tokens for seq, n in batch]
+        # a sequence samples once all its tokens are computed (end of prefill, or a decode, drafted or not)
+        sampling = [seq.num_computed_tokens + n >= seq.num_tokens for seq, n in batch]
         positions = None
         if self._num_prompt_logprobs:
             positions = [self._prompt_positions(seq, n) for seq, n in batch]
-        return Scheduled(batch, sampling, positions)
+        drafts = None
+        if self.spec is not None and any(seq.draft for seq, _ in batch):
+            drafts = [len(seq.draft) for seq, _ in batch]
+        return Scheduled(batch, sampling, positions, drafts)
 
     def _execute(self, s: Scheduled) -> torch.Tensor | None:
         """The block copies the scheduler asked for, then the forward: float32 logits [N, V], the N
@@ -209,28 +239,81 @@ class EngineCore:
         copies = self.blocks.take_copies()
         if copies:
             self.executor.copy_blocks(copies)
-        all_logits = [bool(p) for p in s.prompt_positions] if s.prompt_positions else None
-        return self.executor.execute(s.batch, s.sampling, all_logits)
+        return self.executor.execute(s.batch, s.want_logits, s.all_logits)
 
     def _update(self, s: Scheduled, logits: torch.Tensor | None) -> list[TokenOutput]:
         """Postprocess the forward: collect prompt logprobs, advance the counters, then sample the
-        sequences whose tokens are all computed (forking n > 1 requests first) and report them."""
+        sequences whose tokens are all computed (forking n > 1 requests first), verify the drafts, and
+        report them."""
+        want, all_logits = s.want_logits, s.all_logits
         if s.prompt_positions:
-            self._collect_prompt_logprobs(s.batch, s.prompt_positions, logits, sum(s.sampling))
-        self._advance(s.batch)
-        sampled = [seq for (seq, _), samples in zip(s.batch, s.sampling) if samples]
-        if not sampled:
-            return []
-        logits, sampled = self._fork_at_first_sample(logits[:len(sampled)], sampled)
-        tokens, logprobs = self.sampler.sample(logits, sampled)
-        if self.sampler.num_constrained:
-            self.grammars.consume(sampled, tokens)
-        return [self._append(seq, token, logprobs[i] if logprobs is not None else None)
-                for i, (seq, token) in enumerate(zip(sampled, tokens))]
+            self._collect_prompt_logprobs(s.batch, s.prompt_positions, all_logits, logits, sum(want))
+        self._advance(s.batch, s.drafts)
+        outputs = []
+        sampled = [seq for (seq, _), samples in zip(s.batch, want) if samples]
+        if sampled:
+            plain, sampled = self._fork_at_first_sample(logits[:len(sampled)], sampled)
+            tokens, logprobs = self._sample(plain, sampled)
+            outputs = [self._append(seq, token, logprobs[i] if logprobs is not None else None)
+                       for i, (seq, token) in enumerate(zip(sampled, tokens))]
+        if s.drafts:
+            outputs += self._verify(s, all_logits, logits, sum(want))
+        return outputs
 
-    def _advance(self, batch: list[tuple[Sequence, int]]) -> None:
-        """num_computed_tokens += the step's tokens; register the blocks this filled in the prefix cache."""
-        for seq, n in batch:
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]
+                ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+        """One token per row of LOGITS [len(SEQS), V]; the grammars take them."""
+        tokens, logprobs = self.sampler.sample(logits, seqs)
+        if self.sampler.num_constrained:
+            self.grammars.consume(seqs, tokens)
+        return tokens, logprobs
+
+    def _verify(self, s: Scheduled, all_logits: list[bool], logits: torch.Tensor, offset: int
+                ) -> list[TokenOutput]:
+        """The drafted entries of S: position by position (all of them at once), sample from the logits
+        at it as a plain decode would and go on while the token equals the draft's
+        (engine/spec_decode.py); then roll the sequences back to what they accepted and report them."""
+        entries: list[tuple[Sequence, list[int], int]] = []  # (sequence, draft, its first logits row)
+        for (seq, n), extra, k in zip(s.batch, all_logits, s.drafts, strict=True):
+            if k:
+                entries.append((seq, seq.draft, offset))
+            offset += n if extra else 0
+        accepted = [0] * len(entries)
+        lps: list[list[TokenLogprobs]] = [[] for _ in entries]
+        live = list(range(len(entries)))
+        for j in range(max(len(draft) for _, draft, _ in entries) + 1):
+            if not live:
+                break
+            seqs = [entries[e][0] for e in live]
+            rows = torch.tensor([entries[e][2] + j for e in live], device=logits.device)
+            tokens, logprobs = self._sample(logits[rows], seqs)
+            going = []
+            for i, (e, token) in enumerate(zip(live, tokens, strict=True)):
+                seq, draft, _ = entries[e]
+                self._take(seq, token)
+                if logprobs is not None and logprobs[i] is not None:
+                    lps[e].append(logprobs[i])
+                if j < len(draft) and token == draft[j]:
+                    accepted[e] += 1
+                    if not seq.finished:
+                        going.append(e)
+            live = going
+        outputs = []
+        for e, (seq, draft, _) in enumerate(entries):
+            seq.draft = []
+            self.spec.record(seq, len(draft), accepted[e])
+            seq.num_computed_tokens = seq.num_tokens - 1  # the K/V of rejected drafts is overwritten later
+            self.blocks.trim(seq, seq.num_tokens)
+            self.blocks.cache_full_blocks(seq)
+            outputs.append(self._output(seq, lps[e] or None))
+        return outputs
+
+    def _advance(self, batch: list[tuple[Sequence, int]], drafts: list[int] | None) -> None:
+        """num_computed_tokens += the step's tokens; register the blocks this filled in the prefix cache.
+        Drafted entries advance in _verify, by what they accept."""
+        for i, (seq, n) in enumerate(batch):
+            if drafts is not None and drafts[i]:
+                continue
             self.prompt_tokens_computed += max(0, min(seq.num_computed_tokens + n, seq.prompt_len)
                                                - seq.num_computed_tokens)
             seq.num_computed_tokens += n
@@ -252,13 +335,20 @@ class EngineCore:
     def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> TokenOutput:
         """Append TOKEN to SEQ, decide whether it finished, and build its output (the sequence is dropped
         once finished)."""
+        self._take(seq, token)
+        return self._output(seq, None if logprobs is None else [logprobs])
+
+    def _take(self, seq: Sequence, token: int) -> None:
         seq.token_ids.append(token)
         seq.finish_reason = self._finish_reason(seq, token)
+
+    def _output(self, seq: Sequence, logprobs: list[TokenLogprobs] | None) -> TokenOutput:
+        """SEQ's tokens not reported yet (with their LOGPROBS); drops SEQ if it finished."""
         new = seq.token_ids[seq.prompt_len + seq.num_sent:]
         seq.num_sent += len(new)
         out = TokenOutput(seq.request_id, new, seq.finish_reason, index=seq.index)
         if logprobs is not None:
-            out.logprobs = [logprobs]
+            out.logprobs = logprobs
         if seq.prompt_logprobs is not None:  # complete now: sent once, with the first token
             out.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
             self._num_prompt_logprobs -= 1
@@ -279,10 +369,12 @@ class EngineCore:
         return None
 
     def _collect_prompt_logprobs(self, batch: list[tuple[Sequence, int]], wanted: list[range],
-                                 logits: torch.Tensor, offset: int) -> None:
-        """Prompt logprobs from the rows after the first OFFSET (the sampling rows) of LOGITS."""
-        for (seq, n), positions in zip(batch, wanted, strict=True):
+                                 all_logits: list[bool], logits: torch.Tensor, offset: int) -> None:
+        """Prompt logprobs from the rows after the first OFFSET (the sampling rows) of LOGITS; ALL_LOGITS:
+        [B] the entries with rows there (drafts too)."""
+        for (seq, n), positions, extra in zip(batch, wanted, all_logits, strict=True):
             if not positions:
+                offset += n if extra else 0
                 continue
             start = seq.num_computed_tokens
             chunk = logits[offset:offset + n]  # logits at positions start .. start+n-1

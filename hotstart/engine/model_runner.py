@@ -36,7 +36,8 @@ class StepInputs:
            all_logits: list[bool] | None = None) -> StepInputs:
         ids: list[int] = []
         for seq, n in batch:
-            ids += seq.token_ids[seq.num_computed_tokens:seq.num_computed_tokens + n]
+            tokens = seq.token_ids + seq.draft if seq.draft else seq.token_ids  # speculative: last + draft
+            ids += tokens[seq.num_computed_tokens:seq.num_computed_tokens + n]
         return cls(ids, [seq.num_computed_tokens for seq, _ in batch], [n for _, n in batch],
                    [seq.block_table for seq, _ in batch], want_logits, all_logits)
 

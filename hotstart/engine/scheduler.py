@@ -4,6 +4,8 @@ Every step has a token budget. Running sequences go first (a decode is 1 token; 
 prefill continues); waiting sequences join while budget, sequence slots and KV blocks allow. When a
 running sequence needs a block and none is free, the most recently admitted running sequence is
 preempted: its blocks are freed and it is recomputed later (it keeps its generated tokens).
+A decoding sequence with a draft (speculative decoding, engine/spec_decode.py) computes its last token
+and the draft, as far as the budget and the free blocks allow: a draft is cut, never a reason to preempt.
 A waiting sequence starts from its longest cached prefix (BlockManager.lookup) when prefix caching is
 on; a request of n choices takes n sequence slots from admission (its choices are forked later).
 """
@@ -41,6 +43,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        seq.draft = []
         self.blocks.free(seq)
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -54,6 +57,15 @@ class Scheduler:
         n = min(seq.num_tokens - start, budget)
         return min(n, seq.max_chunk) if seq.max_chunk else n
 
+    def _with_draft(self, seq: Sequence, n: int, budget: int) -> int:
+        """N (1: a decode) plus the part of SEQ's draft that the budget and the free blocks take (the
+        draft is cut to it)."""
+        k = min(len(seq.draft), budget - n) if n == 1 else 0
+        while k > 0 and not self.blocks.can_allocate(seq, seq.num_computed_tokens + n + k):
+            k -= 1
+        del seq.draft[max(k, 0):]
+        return n + len(seq.draft)
+
     def schedule(self) -> list[tuple[Sequence, int]]:
         """[(sequence, number of new tokens to compute this step)], running ones first."""
         budget = self.max_num_batched_tokens
@@ -62,6 +74,8 @@ class Scheduler:
             if seq not in self.running:  # preempted below by an earlier sequence
                 continue
             n = self._chunk(seq, seq.num_computed_tokens, budget)
+            if seq.draft:
+                n = self._with_draft(seq, n, budget)
             if n <= 0:
                 continue
             while not self.blocks.can_allocate(seq, seq.num_computed_tokens + n):

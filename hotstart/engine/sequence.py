@@ -30,6 +30,10 @@ class Sequence:
     max_chunk: int | None = None  # cap on tokens computed per step (prompt logprobs: bounded logits)
     prompt_logprobs: list[TokenLogprobs] | None = None  # collected while prefilling, sent once
     sampling: Any = None  # the sampler's per-sequence state (penalties, biases, ...); None: plain
+    # speculative decoding (engine/spec_decode.py): tokens drafted for this step (computed after its last
+    # token, not yet in token_ids), and the speculator's state of it (None: never drafted)
+    draft: list[int] = field(default_factory=list)
+    spec: Any = None
 
     @property
     def num_tokens(self) -> int:

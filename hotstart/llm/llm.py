@@ -22,7 +22,7 @@ IGNORED_ARGS = {"trust_remote_code", "enforce_eager", "download_dir", "load_form
                 "swap_space", "cpu_offload_gb", "disable_custom_all_reduce", "tokenizer_mode", "quantization"}
 _ENGINE_ARGS = {"dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                 "kv_cache_memory", "gpu_memory_utilization", "seed", "compile", "enable_prefix_caching",
-                "tensor_parallel_size"}
+                "tensor_parallel_size", "speculative_config"}
 _ids = itertools.count()
 
 
@@ -58,6 +58,14 @@ class LLM:
             raise TypeError(f"LLM() got unexpected arguments: {', '.join(unknown)}")
         engine_kwargs = {k: v for k, v in kwargs.items() if k in _ENGINE_ARGS and v is not None}
         engine_kwargs["max_num_seqs"] = max_num_seqs
+        if "speculative_config" in engine_kwargs:  # vLLM's dict (or its JSON text); travels as JSON text
+            from hotstart.engine.spec_config import SpecConfig  # noqa: PLC0415 - only with the option
+
+            try:
+                spec = SpecConfig.parse(engine_kwargs["speculative_config"])
+            except ValueError as e:
+                raise ValueError(f"speculative_config: {e}") from None
+            engine_kwargs["speculative_config"] = spec.to_json()
         self._handle = EngineHandle(model, revision, engine_kwargs, engine == "process")
         self.tokenizer = self._handle.tokenizer
         self.model = model

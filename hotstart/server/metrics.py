@@ -153,6 +153,11 @@ class VllmMetrics:
         for m in (self.running, self.waiting, self.kv_usage, self.prompt_tokens, self.generation_tokens,
                   self.ttft, self.itl, self.tpot, self.e2e):
             m.labels(model_name)  # every series exists from the first scrape (0), as autoscalers expect
+        # speculative decoding (--speculative-config): engine totals, counted forward by their growth;
+        # registered by the first stats that carry any (no series without the option)
+        self._registry = r
+        self.spec: tuple[Counter, Counter, Counter] | None = None
+        self._spec_totals = (0, 0, 0)
 
     def update_engine(self, stats: EngineStats) -> None:
         m = self.model_name
@@ -160,6 +165,19 @@ class VllmMetrics:
         self.waiting.labels(m).set(stats.num_waiting)
         total = stats.kv_blocks_total
         self.kv_usage.labels(m).set(stats.kv_blocks_used / total if total else 0.0)
+        totals = (stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens,
+                  stats.spec_decode_num_accepted_tokens)
+        if self.spec is None and totals[0]:
+            r, label = self._registry, ["model_name"]
+            self.spec = (
+                Counter("vllm:spec_decode_num_drafts", "Speculative drafts verified", label, registry=r),
+                Counter("vllm:spec_decode_num_draft_tokens", "Tokens in those drafts", label, registry=r),
+                Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", label, registry=r),
+            )
+        if self.spec is not None:
+            for counter, new, old in zip(self.spec, totals, self._spec_totals, strict=True):
+                counter.labels(m).inc(new - old if new >= old else new)  # a replaced engine starts at 0
+            self._spec_totals = totals
 
     def request_done(self, e2e: float, ttft: float | None, tokens: int) -> None:
         """One request's end (all its choices): its end-to-end latency and time per output token."""
