@@ -271,6 +271,30 @@ def test_max_tokens_and_stop_tokens_inside_drafts(core, loop_prompt):
     assert out["stop"][:2] == (full[: at + 1], "stop")
 
 
+def test_greedy_identical_on_the_packed_fast_path(model_dir, loop_prompt):
+    """The fast path's prepacked weights take the 1 + k token verify steps as any step of that size."""
+    import time
+
+    import torch
+
+    from hotstart.engine.fastpath import FastPath
+    from hotstart.model import onednn
+
+    if not onednn.available(torch.device("cpu"), torch.float32):
+        pytest.skip("no oneDNN packing in this torch build")
+    core = build(model_dir, max_num_seqs=8, kv_cache_memory=8 << 20)
+    reqs = {"a": (loop_prompt, greedy(30)), "b": (loop_prompt[5:], greedy(25))}
+    with plain(core):
+        ref = run(core, reqs)  # eager, plain
+    fast = FastPath(core, "eager-only", (8,), lambda m: None)
+    deadline = time.monotonic() + 300
+    while fast.busy() and time.monotonic() < deadline:
+        fast.tick(idle=True)
+        time.sleep(0.02)
+    assert fast.status().packing.value == "packed", fast.status()
+    assert run(core, reqs) == ref and accepted(core) > 0
+
+
 def test_back_off_stops_drafting_for_unrepetitive_text(model_dir):
     from hotstart.engine.spec_decode import NgramSpeculator
 
@@ -414,3 +438,10 @@ def test_metrics_export_vllm_spec_decode_counters():
         'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 30.0',
     ):
         assert line in text
+
+
+def test_llm_api_checks_the_config_as_vllm_spells_it():
+    from hotstart.llm import LLM
+
+    with pytest.raises(ValueError, match="speculative_config: method must be"):
+        LLM("unused", speculative_config={"method": "eagle", "num_speculative_tokens": 2})
