@@ -9,6 +9,7 @@ shell (worker.py) and the offline `hotstart generate` both drive it; tests call 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -281,12 +282,21 @@ class EngineCore:
         accepted = [0] * len(entries)
         lps: list[list[TokenLogprobs]] = [[] for _ in entries]
         live = list(range(len(entries)))
+        argmax = None  # plain greedy entries only: every position's token at once
+        if not self.sampler.num_active and all(seq.params.temperature == 0 for seq, _, _ in entries):
+            rows = [first + j for _, draft, first in entries for j in range(len(draft) + 1)]
+            flat = logits[torch.tensor(rows, device=logits.device)].argmax(dim=-1).tolist()
+            starts = itertools.accumulate((len(draft) + 1 for _, draft, _ in entries), initial=0)
+            argmax = [flat[a:a + len(draft) + 1] for (_, draft, _), a in zip(entries, starts)]
         for j in range(max(len(draft) for _, draft, _ in entries) + 1):
             if not live:
                 break
             seqs = [entries[e][0] for e in live]
-            rows = torch.tensor([entries[e][2] + j for e in live], device=logits.device)
-            tokens, logprobs = self._sample(logits[rows], seqs)
+            if argmax is not None:
+                tokens, logprobs = [argmax[e][j] for e in live], None
+            else:
+                rows = torch.tensor([entries[e][2] + j for e in live], device=logits.device)
+                tokens, logprobs = self._sample(logits[rows], seqs)
             going = []
             for i, (e, token) in enumerate(zip(live, tokens, strict=True)):
                 seq, draft, _ = entries[e]

@@ -374,7 +374,7 @@ def test_grammar_masks_drafted_positions(tmp_path, default_model_dir):
         "type": "object",
         "properties": {
             "name": {"type": "string", "maxLength": 40},
-            "tags": {"type": "array", "items": {"enum": ["aa", "ab"]}},
+            "tags": {"type": "array", "items": {"enum": ["aa", "ab"]}, "maxItems": 3},
         },
         "required": ["name", "tags"],
         "x-guidance": {"whitespace_pattern": "[ ]{0,1}"},
