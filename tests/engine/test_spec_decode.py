@@ -445,3 +445,68 @@ def test_llm_api_checks_the_config_as_vllm_spells_it():
 
     with pytest.raises(ValueError, match="speculative_config: method must be"):
         LLM("unused", speculative_config={"method": "eagle", "num_speculative_tokens": 2})
+
+
+# --- served: the flag through the CLI, the engine process and /metrics ---------------------------------
+def test_served_with_the_flag_same_text_and_acceptance_in_metrics(
+    model_dir, default_model_dir, tmp_path, core, loop_prompt
+):
+    import shutil
+
+    import httpx
+    from util import Server
+
+    folder = tmp_path / "served"
+    shutil.copytree(model_dir, folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_dir / name, folder / name)
+    with plain(core):
+        ((expected, _, _),) = run(core, {"x": (loop_prompt, greedy(40))}).values()
+    srv = Server(
+        str(folder),
+        "--served-model-name",
+        "m",
+        "--max-model-len",
+        "512",
+        "--max-num-seqs",
+        "4",
+        "--dtype",
+        "float32",
+        "--speculative-config",
+        SPEC,
+        env={"HOTSTART_HOME": str(tmp_path)},
+    )
+    try:
+        r = httpx.post(
+            srv.url + "/v1/completions",
+            timeout=120,
+            json={
+                "model": "m",
+                "prompt": loop_prompt,
+                "max_tokens": 40,
+                "temperature": 0,
+                "ignore_eos": True,
+                "logprobs": 0,
+            },
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 40
+        assert len(r.json()["choices"][0]["logprobs"]["tokens"]) == 40
+        text = r.json()["choices"][0]["text"]
+        metrics = httpx.get(srv.url + "/metrics", timeout=30).text
+    finally:
+        srv.stop()
+    values = {
+        line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("vllm:spec_decode_")
+    }
+    assert (
+        0
+        < values["vllm:spec_decode_num_accepted_tokens_total"]
+        <= values["vllm:spec_decode_num_draft_tokens_total"]
+    )
+    assert values["vllm:spec_decode_num_drafts_total"] > 0
+    from hotstart.text.tokenizer import Tokenizer
+
+    assert text == Tokenizer.from_dir(folder).decode(expected)  # the plain engine's greedy text
