@@ -271,6 +271,19 @@ def test_max_tokens_and_stop_tokens_inside_drafts(core, loop_prompt):
     assert out["stop"][:2] == (full[: at + 1], "stop")
 
 
+def test_greedy_identical_under_preemption(model_dir, loop_prompt):
+    """A KV cache too small for the batch: sequences with drafts are preempted and recomputed."""
+    per_block = 2 * 3 * 48 * 4 * 16  # k/v x layers x KV heads x head_dim x float32 x block_size
+    core = build(model_dir, max_num_seqs=8, max_model_len=128, kv_cache_memory=20 * per_block)
+    assert core.blocks.num_blocks == 20
+    reqs = {f"r{i}": (loop_prompt[i:], greedy(40)) for i in range(6)}  # 5 blocks each at the end
+    with plain(core):
+        ref = run(core, reqs)
+    preempted = core.scheduler.num_preemptions
+    assert run(core, reqs) == ref and accepted(core) > 0
+    assert core.scheduler.num_preemptions > preempted
+
+
 def test_greedy_identical_on_the_packed_fast_path(model_dir, loop_prompt):
     """The fast path's prepacked weights take the 1 + k token verify steps as any step of that size."""
     import time
