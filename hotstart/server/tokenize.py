@@ -5,6 +5,7 @@
                      add_special_tokens=false, chat_template_kwargs?, tools?, return_token_strs=false}
                     -> {count, max_model_len, tokens, token_strs}
   POST /detokenize  {model?, tokens} -> {prompt}
+`model` may be left out with one model; a many-models server needs it (server/multi_api.py).
 """
 
 from __future__ import annotations
