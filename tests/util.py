@@ -10,6 +10,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -112,6 +114,36 @@ def serving(*args: str, **kwargs):
     yield s
     if s.proc.poll() is None:
         s.stop()
+
+
+class Stream(threading.Thread):
+    """One streaming chat request (BODY) to URL in a thread; `lines` as they come, `started` set after 3,
+    `ended` the perf_counter of its last line, `error` what failed."""
+
+    def __init__(self, url: str, body: dict) -> None:
+        super().__init__(daemon=True)
+        self.url, self.body, self.lines, self.ended, self.error = url, body, [], 0.0, None
+        self.started = threading.Event()
+
+    def run(self) -> None:
+        import httpx
+
+        try:
+            with httpx.stream("POST", self.url + "/v1/chat/completions", json=self.body, timeout=120) as r:
+                assert r.status_code == 200, r.read()
+                for line in r.iter_lines():
+                    if line:
+                        self.lines.append(line)
+                    if len(self.lines) >= 3:
+                        self.started.set()
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            self.error = repr(e)
+        self.ended = time.perf_counter()
+        self.started.set()
+
+    def events(self) -> list[dict]:
+        """The JSON events before `data: [DONE]`."""
+        return [json.loads(x[6:]) for x in self.lines[:-1]]
 
 
 def openai_client(server: Server, timeout: float = 120):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -27,11 +28,12 @@ from hotstart.server.gate import Drain, Gate, error_response, json_response
 from hotstart.server.generation import Generation, GenerationError, close_shielded, unless_disconnected
 from hotstart.server.logprobs import LogprobsFormat
 from hotstart.server.metrics import CONTENT_TYPE, Metrics
+from hotstart.server.responses import ResponsesRequest, ResponseStore
 from hotstart.server.responses_serving import ResponsesServing
 from hotstart.server.schemas import ChatCompletionRequest, CompletionRequest, decode_request, read_body
 from hotstart.server.sse import SSEResponse, sse_events
 from hotstart.server.structured import request_grammar
-from hotstart.server.tokenize import TokenizeServing
+from hotstart.server.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from hotstart.server.tools import chat_grammar, chat_message, detect_parser, template_messages
 from hotstart.server.validation import (
     MAX_N,
@@ -86,14 +88,23 @@ class OpenAIServing:
 
     No HTTP plumbing here (build_app registers the bound methods as routes): each endpoint returns a
     Response or raises ApiError, and its pieces (check_model, model_card, prepare_chat, ...) can be
-    called directly. The engine handle is an EngineClient (server/client.py: in process or over zmq)."""
+    called directly. The engine handle is an EngineClient (server/client.py: in process or over zmq).
+    The endpoints that a request's `model` picks are MODEL_ENDPOINTS (below), which the many-models app
+    (server/multi_api.py) calls on the model's own OpenAIServing.
 
-    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, settings: ApiSettings) -> None:
+    METRICS, DRAIN, STORE: a many-models server's (kept across a model's loads, one drain for the server,
+    one Responses store for all models); by default this serving's own."""
+
+    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, settings: ApiSettings, *,
+                 metrics: Metrics | None = None, drain: Drain | None = None,
+                 store: ResponseStore | None = None) -> None:
         if not settings.served_model_names:
             raise ValueError("ApiSettings.served_model_names must name at least one model")
         self.engine, self.tokenizer, self.settings = engine, tokenizer, settings
-        self.metrics = Metrics(settings.served_model_names[0])
-        self.drain = Drain()  # SIGTERM's (server/launch.py): the gate refuses new requests while it drains
+        self.metrics = metrics or Metrics(settings.served_model_names[0])
+        # SIGTERM's (server/launch.py): the gate refuses new requests while it drains
+        self.drain = drain or Drain()
+        self.responses = ResponsesServing(self, store)
         self.names = list(settings.served_model_names)
         self.created = int(time.time())
         self.vocab_size = settings.vocab_size or getattr(tokenizer, "vocab_size", None)
@@ -190,15 +201,21 @@ class OpenAIServing:
         echo = "" if not req.echo else prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
         return model, ids, msgspec.structs.replace(params, grammar=grammar) if grammar else params, echo
 
+    def generation(self, rid: str, ids: list[int], params: SamplingParams, stops: list[str],
+                   t0: float) -> Generation:
+        """An accepted request's Generation (its prompt tokens counted; a forced drain interrupts it)."""
+        self.metrics.prompt_tokens.inc(len(ids))
+        self.metrics.vllm.prompt_tokens.labels(self.metrics.model_name).inc(len(ids))
+        gen = Generation(self.engine, self.tokenizer, rid, ids, params, stops, self.metrics, t0,
+                         self.mark_served)
+        gen.interrupted = lambda: self.drain.forced
+        return gen
+
     async def run(self, request: Request, req: Any, model: str, ids: list[int], params: SamplingParams,
                   t0: float, chat: bool, echo: str = "") -> Response:
         """Generate: an SSE stream if `req.stream`, else the whole answer (499 if the client left)."""
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.metrics.prompt_tokens.inc(len(ids))
-        self.metrics.vllm.prompt_tokens.labels(model).inc(len(ids))
-        gen = Generation(self.engine, self.tokenizer, rid, ids, params, stop_strings(req), self.metrics, t0,
-                         self.mark_served)
-        gen.interrupted = lambda: self.drain.forced
+        gen = self.generation(rid, ids, params, stop_strings(req), t0)
         head: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                                 "created": int(time.time()), "model": model}
         if chat:
@@ -261,16 +278,12 @@ class OpenAIServing:
         return body
 
     # --- endpoints -----------------------------------------------------------------------------
-    async def chat_completions(self, request: Request) -> Response:
-        t0 = time.perf_counter()
-        body = await read_body(request, self.settings.max_request_bytes)
-        req = decode_request(body, ChatCompletionRequest)
+    # (the POST ones a request's `model` picks take the decoded body and its arrival: MODEL_ENDPOINTS)
+    async def chat_completions(self, request: Request, req: ChatCompletionRequest, t0: float) -> Response:
         model, ids, params = self.prepare_chat(req)
         return await self.run(request, req, model, ids, params, t0, chat=True)
 
-    async def completions(self, request: Request) -> Response:
-        t0 = time.perf_counter()
-        req = decode_request(await read_body(request, self.settings.max_request_bytes), CompletionRequest)
+    async def completions(self, request: Request, req: CompletionRequest, t0: float) -> Response:
         model, ids, params, echo = self.prepare_completion(req)
         return await self.run(request, req, model, ids, params, t0, chat=False, echo=echo)
 
@@ -302,6 +315,50 @@ class OpenAIServing:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
 
+@dataclass(frozen=True)
+class ModelEndpoint:
+    """A POST endpoint answered by one model's OpenAIServing: the body's schema (with a `model` field) and
+    HANDLE(serving, request, decoded body, t0 = the request's arrival, time.perf_counter())."""
+
+    path: str
+    schema: type[msgspec.Struct]
+    handle: Callable[[OpenAIServing, Request, Any, float], Awaitable[Response]]
+
+
+async def _responses(s: OpenAIServing, request: Request, req: ResponsesRequest, t0: float) -> Response:
+    return await s.responses.create(request, req, t0)
+
+
+async def _tokenize(s: OpenAIServing, request: Request, req: TokenizeRequest, t0: float) -> Response:
+    return tokenize(s, req)
+
+
+async def _detokenize(s: OpenAIServing, request: Request, req: DetokenizeRequest, t0: float) -> Response:
+    return detokenize(s, req)
+
+
+# the endpoints of one model: the single-model app routes them to its serving, the many-models app to the
+# serving of the model that a request's `model` names (server/multi_api.py)
+MODEL_ENDPOINTS = (
+    ModelEndpoint("/v1/chat/completions", ChatCompletionRequest, OpenAIServing.chat_completions),
+    ModelEndpoint("/v1/completions", CompletionRequest, OpenAIServing.completions),
+    ModelEndpoint("/v1/responses", ResponsesRequest, _responses),
+    ModelEndpoint("/tokenize", TokenizeRequest, _tokenize),
+    ModelEndpoint("/detokenize", DetokenizeRequest, _detokenize),
+)
+
+
+def model_route(serving: OpenAIServing, ep: ModelEndpoint) -> Callable[[Request], Awaitable[Response]]:
+    """The route of EP on one model's app: read and decode the body, answer with SERVING."""
+
+    async def route(request: Request) -> Response:
+        t0 = time.perf_counter()
+        req = decode_request(await read_body(request, serving.settings.max_request_bytes), ep.schema)
+        return await ep.handle(serving, request, req, t0)
+
+    return route
+
+
 async def _api_error(request: Request, exc: ApiError) -> Response:
     return error_response(exc)
 
@@ -327,16 +384,10 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, settings: ApiSettings)
                        memory=settings.memory_guard)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_api_route("/v1/chat/completions", serving.chat_completions, methods=["POST"])
-    app.add_api_route("/v1/completions", serving.completions, methods=["POST"])
+    for ep in MODEL_ENDPOINTS:
+        app.add_api_route(ep.path, model_route(serving, ep), methods=["POST"])
     app.add_api_route("/v1/models", serving.list_models, methods=["GET"])
     app.add_api_route("/v1/models/{name:path}", serving.get_model, methods=["GET"])
-    responses = ResponsesServing(serving)
-    app.state.responses = responses
-    app.add_api_route("/v1/responses", responses.create, methods=["POST"])
-    tokens = TokenizeServing(serving)
-    app.add_api_route("/tokenize", tokens.tokenize, methods=["POST"])
-    app.add_api_route("/detokenize", tokens.detokenize, methods=["POST"])
     app.add_api_route("/health", serving.health, methods=["GET"])
     app.add_api_route("/live", serving.live, methods=["GET"])
     app.add_api_route("/startup", serving.startup, methods=["GET"])

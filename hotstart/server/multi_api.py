@@ -1,14 +1,23 @@
 """The HTTP side of several models (torch-free): each request's `model` picks a ModelRecord through the
 router (server/router.py), and the model's own OpenAIServing (server/api.py) answers it.
 
-Endpoints beside OpenAI's (documented in README "Many models"):
+The endpoints of one model (api.py MODEL_ENDPOINTS: /v1/chat/completions, /v1/completions,
+/v1/responses, /tokenize, /detokenize) are the single-model app's own handlers, called on the serving of
+the model the request names once it is acquired (loaded on demand); its lease ends with the response
+(a stream's last byte, or the client leaving). One Responses store serves every model, so
+`previous_response_id` finds a response whichever model answered it, across unloads (as OpenAI lets a
+follow-up change `model`). Endpoints beside OpenAI's (documented in README "Many models"):
   GET  /v1/models                  every model, with `state`, `loaded_at`, `keep_alive_until`, `error`
   POST /v1/models/{name}/load      load it now (waits until it serves; body {"keep_alive": ...} optional)
   POST /v1/models/{name}/unload    stop its engine: at once when idle (200), else once its requests end
                                    (202); a loading model answers 409
-  GET  /health                     200 when up and every --preload model is loaded
-  GET  /startup, /metrics          the server's, plus one entry (a `model` label) per model
+  GET  /health                     200 when up and every --preload model is loaded; 503 from SIGTERM on
+  GET  /live                       200 while the process serves HTTP (starting, ready or draining)
+  GET  /startup, /metrics          the server's, plus one entry (a `model` label) per model; vLLM's
+                                   series carry their `model_name` label instead
 Requests may carry Ollama's `keep_alive` ("5m", seconds, 0 = unload after it, negative = never).
+SIGTERM drains as with one model (server/gate.py Drain, server/launch.py Shutdown): the requests in
+flight, of every model, run to their end, then every engine is stopped.
 """
 
 from __future__ import annotations
@@ -23,14 +32,15 @@ from prometheus_client.exposition import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response, StreamingResponse
 
-from hotstart.server.api import _api_error, _http_error
+from hotstart.server.api import MODEL_ENDPOINTS, ModelEndpoint, _api_error, _http_error
 from hotstart.server.errors import ApiError, bad_param
-from hotstart.server.gate import Gate, error_response, json_response
+from hotstart.server.gate import Drain, Gate, error_response, json_response
 from hotstart.server.memory import memory_guard
 from hotstart.server.metrics import CONTENT_TYPE, Metrics
 from hotstart.server.model_specs import parse_duration
+from hotstart.server.responses import ResponseStore
 from hotstart.server.router import UNSET, ModelRecord, ModelRouter, RetryLater, State
-from hotstart.server.schemas import ChatCompletionRequest, CompletionRequest, decode_request, read_body
+from hotstart.server.schemas import decode_request, read_body
 
 
 class _KeepAlive(msgspec.Struct):
@@ -54,7 +64,8 @@ def keep_alive_of(body: bytes) -> Any:
 
 
 class LeasedResponse(Response):
-    """A streamed response whose model lease is released once the stream ends (or the client leaves)."""
+    """A streamed response whose model lease is released once the stream ends (or the client leaves);
+    RELEASE is called once."""
 
     def __init__(self, inner: Response, release) -> None:
         self.inner, self.release = inner, release
@@ -66,31 +77,44 @@ class LeasedResponse(Response):
         try:
             await self.inner(scope, receive, send)
         finally:
-            self.release()
+            release, self.release = self.release, None
+            if release is not None:
+                release()
 
 
-def labelled(text: bytes, model: str, seen: set[str]) -> list[str]:
-    """Prometheus text with model="MODEL" added to every sample; HELP/TYPE lines once (SEEN)."""
+def labelled(line: str, model: str) -> str:
+    """A Prometheus sample line with model="MODEL" added (vLLM's keep their own `model_name` alone)."""
+    if line.startswith("vllm:"):
+        return line
     value = model.replace("\\", "\\\\").replace('"', '\\"')
-    out = []
-    for line in text.decode().splitlines():
-        if line.startswith("#"):
-            if line not in seen:
-                seen.add(line)
-                out.append(line)
-            continue
-        brace, space = line.find("{"), line.find(" ")
-        if 0 <= brace < space:
-            out.append(f'{line[:brace + 1]}model="{value}",{line[brace + 1:]}')
-        elif space > 0:
-            out.append(f'{line[:space]}{{model="{value}"}}{line[space:]}')
-    return out
+    brace, space = line.find("{"), line.find(" ")
+    if 0 <= brace < space:
+        return f'{line[:brace + 1]}model="{value}",{line[brace + 1:]}'
+    return f'{line[:space]}{{model="{value}"}}{line[space:]}'
+
+
+def merged(parts: list[tuple[bytes, str | None]]) -> str:
+    """One exposition of several registries' texts (PARTS: (text, model or None)): each family once, its
+    HELP/TYPE lines then the samples of every part (a model's labelled), as parsers require."""
+    families: dict[str, tuple[list[str], list[str]]] = {}  # name -> (HELP/TYPE lines, samples)
+    for text, model in parts:
+        family = families.setdefault("", ([], []))  # samples before any HELP/TYPE line
+        for line in text.decode().splitlines():
+            if line.startswith("# "):  # "# HELP name ..." / "# TYPE name ...": a family begins
+                family = families.setdefault(line.split(" ", 3)[2], ([], []))
+                if line not in family[0]:
+                    family[0].append(line)
+            elif line:
+                family[1].append(labelled(line, model) if model is not None else line)
+    return "".join("\n".join(head + samples) + "\n" for head, samples in families.values())
 
 
 class MultiServing:
     def __init__(self, router: ModelRouter, max_request_bytes: int, timeline) -> None:
         self.router, self.max_bytes, self.timeline = router, max_request_bytes, timeline
         self.metrics = Metrics()  # the HTTP counters (the gate's) and the startup gauge
+        self.drain = Drain()  # the server's (SIGTERM): every model's servings share it
+        self.store = ResponseStore()  # every model's /v1/responses
         self.created = int(time.time())
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.g_state = Gauge("hotstart_model_state", "1 for the state each model is in", ["model", "state"],
@@ -112,40 +136,29 @@ class MultiServing:
                 "state": rec.state.value, "loaded_at": int(rec.loaded_at) if rec.loaded_at else None,
                 "keep_alive_until": int(until) if until else None, "error": rec.error}
 
-    async def _generate(self, request: Request, cls, chat: bool) -> Response:
-        t0 = time.perf_counter()
-        body = await read_body(request, self.max_bytes)
-        req = decode_request(body, cls)
-        keep = keep_alive_of(body)
-        rec = await self.router.acquire(req.model)
-        try:
-            s = rec.serving
-            if chat:
-                model, ids, params = s.prepare_chat(req)
-                resp = await s.run(request, req, model, ids, params, t0, chat=True)
-            else:
-                model, ids, params, echo = s.prepare_completion(req)
-                resp = await s.run(request, req, model, ids, params, t0, chat=False, echo=echo)
-        except BaseException:
+    def route(self, ep: ModelEndpoint):
+        """EP's route: decode the body (a malformed request loads nothing), acquire the model it names,
+        answer with that model's serving, release it when the response ends."""
+
+        async def route(request: Request) -> Response:
+            t0 = time.perf_counter()
+            body = await read_body(request, self.max_bytes)
+            req = decode_request(body, ep.schema)
+            keep = keep_alive_of(body)
+            if req.model is None:  # /tokenize's is optional with one model
+                raise bad_param("model", f"name the model (served: {', '.join(self.router.records)})")
+            rec = await self.router.acquire(req.model)
+            try:
+                resp = await ep.handle(rec.serving, request, req, t0)
+            except BaseException:
+                self.router.release(rec, keep)
+                raise
+            if isinstance(resp, StreamingResponse):
+                return LeasedResponse(resp, lambda: self.router.release(rec, keep))
             self.router.release(rec, keep)
-            raise
-        if isinstance(resp, StreamingResponse):
-            done = []
+            return resp
 
-            def release() -> None:
-                if not done:
-                    done.append(True)
-                    self.router.release(rec, keep)
-
-            return LeasedResponse(resp, release)
-        self.router.release(rec, keep)
-        return resp
-
-    async def chat_completions(self, request: Request) -> Response:
-        return await self._generate(request, ChatCompletionRequest, chat=True)
-
-    async def completions(self, request: Request) -> Response:
-        return await self._generate(request, CompletionRequest, chat=False)
+        return route
 
     async def list_models(self) -> Response:
         return json_response({"object": "list", "data": [self.card(r) for r in self.router.records.values()]})
@@ -170,12 +183,15 @@ class MultiServing:
         await self.router.unload(rec, "unload requested")
         return json_response(self.card(rec))
 
-    async def health(self) -> Response:
+    async def health(self) -> Response:  # draining: the gate answers 503 "draining"
         if self.router.preloaded():
             return json_response({"status": "ready"})
         waiting = [f"{n}: {self.router.records[n].state.value}" for n in self.router.preload
                    if self.router.records[n].state is not State.LOADED]
         return json_response({"status": f"waiting for --preload models ({', '.join(waiting)})"}, 503)
+
+    async def live(self) -> Response:
+        return json_response({"status": "alive"})
 
     async def startup(self) -> Response:
         models = {}
@@ -189,8 +205,9 @@ class MultiServing:
         return json_response({**self.timeline.to_json(), "models": models})
 
     async def prometheus(self) -> Response:
-        seen: set[str] = set()
-        lines = self.metrics.render().decode().splitlines()
+        draining = 1 if self.drain.draining else 0
+        self.metrics.draining.set(draining)
+        parts: list[tuple[bytes, str | None]] = [(self.metrics.render(), None)]
         for rec in self.router.records.values():
             for s in State:
                 self.g_state.labels(rec.name, s.value).set(1 if rec.state is s else 0)
@@ -202,12 +219,13 @@ class MultiServing:
                 self.g_load_s.labels(rec.name).set(rec.load_seconds)
             m = rec.extra.get("metrics")
             if m is not None:
+                m.draining.set(draining)
                 if rec.client is not None:
                     m.update_engine(rec.client.stats, rec.client.ready)
                     m.update_fast_path(rec.client.fast_path)
-                lines += labelled(m.render(), rec.name, seen)
-        body = "\n".join(lines + generate_latest(self.registry).decode().splitlines()) + "\n"
-        return Response(body, media_type=CONTENT_TYPE)
+                parts.append((m.render(), rec.name))
+        parts.append((generate_latest(self.registry), None))
+        return Response(merged(parts), media_type=CONTENT_TYPE)
 
 
 async def _retry_later(request: Request, exc: RetryLater) -> Response:
@@ -217,22 +235,27 @@ async def _retry_later(request: Request, exc: RetryLater) -> Response:
 
 
 def build_multi_app(router: ModelRouter, cfg, timeline) -> FastAPI:
+    """The app. `app.state.drain` is the server's Drain and `app.state.store` the Responses store: the
+    servings that ROUTER.make_serving builds take both (server/multi_launch.py serving_maker)."""
     serving = MultiServing(router, cfg.max_request_bytes, timeline)
     app = FastAPI(title="hotstart", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.metrics = serving.metrics
     app.state.set_startup_seconds = serving.metrics.set_startup_duration
-    app.add_middleware(Gate, api_key=cfg.api_key, metrics=serving.metrics,
+    app.state.drain = serving.drain  # server/launch.py begins (and forces) it on SIGTERM
+    app.state.store = serving.store
+    app.add_middleware(Gate, api_key=cfg.api_key, metrics=serving.metrics, drain=serving.drain,
                        memory=memory_guard(cfg.min_free_memory))
     app.add_exception_handler(RetryLater, _retry_later)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_api_route("/v1/chat/completions", serving.chat_completions, methods=["POST"])
-    app.add_api_route("/v1/completions", serving.completions, methods=["POST"])
+    for ep in MODEL_ENDPOINTS:
+        app.add_api_route(ep.path, serving.route(ep), methods=["POST"])
     app.add_api_route("/v1/models", serving.list_models, methods=["GET"])
     app.add_api_route("/v1/models/{name:path}/load", serving.load_model, methods=["POST"])
     app.add_api_route("/v1/models/{name:path}/unload", serving.unload_model, methods=["POST"])
     app.add_api_route("/v1/models/{name:path}", serving.get_model, methods=["GET"])
     app.add_api_route("/health", serving.health, methods=["GET"])
+    app.add_api_route("/live", serving.live, methods=["GET"])
     app.add_api_route("/startup", serving.startup, methods=["GET"])
     app.add_api_route("/metrics", serving.prometheus, methods=["GET"])
     return app

@@ -115,8 +115,8 @@ def run_serve_many(args: argparse.Namespace, cfg: ServeConfig, specs: list[Model
 
         router.start_engine = engine_starter(router, shared, launcher.use_forkserver, engine_config,
                                              cfg.restart)
-        router.make_serving = serving_maker(cfg)
         app = build_multi_app(router, cfg, timeline)
+        router.make_serving = serving_maker(cfg, app.state.drain, app.state.store)
         from hotstart.server.launch import _bind, _serve  # noqa: PLC0415
 
         with timeline.phase("socket bound"):
@@ -166,8 +166,9 @@ def engine_starter(router: ModelRouter, shared, use_forkserver: bool, engine_con
     return start
 
 
-def serving_maker(cfg: ServeConfig):
-    """make_serving(rec): the OpenAIServing of a loaded model (its metrics kept across loads)."""
+def serving_maker(cfg: ServeConfig, drain, store):
+    """make_serving(rec): the OpenAIServing of a loaded model (its metrics kept across loads), with the
+    server's DRAIN (server/gate.py) and Responses STORE (one for every model)."""
     from hotstart.server.api import ApiSettings, OpenAIServing  # noqa: PLC0415
     from hotstart.server.metrics import Metrics  # noqa: PLC0415
     from hotstart.server.validation import sampling_defaults  # noqa: PLC0415
@@ -179,9 +180,10 @@ def serving_maker(cfg: ServeConfig):
             tool_call_parser=None if cfg.tool_call_parser == "auto" else cfg.tool_call_parser,
             auto_tool_choice=cfg.enable_auto_tool_choice,
         )
-        serving = OpenAIServing(rec.client, rec.tokenizer, settings)
-        serving.metrics = rec.extra.setdefault("metrics", Metrics())
-        return serving
+        if "metrics" not in rec.extra:
+            rec.extra["metrics"] = Metrics(rec.name)  # vLLM's series labelled model_name=NAME
+        return OpenAIServing(rec.client, rec.tokenizer, settings, metrics=rec.extra["metrics"], drain=drain,
+                             store=store)
 
     return make
 

@@ -11,7 +11,6 @@ With function tools the answer is parsed whole, so its items are sent once it is
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +21,7 @@ from starlette.responses import Response
 from hotstart.server.client import EngineDeadError
 from hotstart.server.errors import ApiError
 from hotstart.server.gate import json_response
-from hotstart.server.generation import Generation, GenerationError, close_shielded, unless_disconnected
+from hotstart.server.generation import GenerationError, close_shielded, unless_disconnected
 from hotstart.server.responses import (
     ResponsesRequest,
     ResponseStore,
@@ -35,27 +34,26 @@ from hotstart.server.responses import (
     output_items,
     response_object,
 )
-from hotstart.server.schemas import decode_request, read_body
 from hotstart.server.sse import SSEResponse
 from hotstart.server.tools import chat_message
 
 if TYPE_CHECKING:
     from hotstart.server.api import OpenAIServing
+    from hotstart.server.generation import Generation
 
 _json = msgspec.json.Encoder()
 
 
 class ResponsesServing:
-    """The Responses endpoint of SERVING, with its store of past conversations."""
+    """The Responses endpoint of SERVING, with its store of past conversations (a many-models server
+    shares one store between its models: server/multi_api.py)."""
 
     def __init__(self, serving: OpenAIServing, store: ResponseStore | None = None) -> None:
         self.serving = serving
         self.store = store or ResponseStore()
 
-    async def create(self, request: Request) -> Response:
-        t0 = time.perf_counter()
+    async def create(self, request: Request, req: ResponsesRequest, t0: float) -> Response:
         s = self.serving
-        req = decode_request(await read_body(request, s.settings.max_request_bytes), ResponsesRequest)
         check_unsupported(req)
         history: list[dict[str, Any]] = []
         if req.previous_response_id is not None:
@@ -67,8 +65,7 @@ class ResponsesServing:
         chat, conversation = chat_request(req, history)
         model, ids, params = s.prepare_chat(chat)
         rid = new_id("resp")
-        s.metrics.prompt_tokens.inc(len(ids))
-        gen = Generation(s.engine, s.tokenizer, rid, ids, params, [], s.metrics, t0, s.mark_served)
+        gen = s.generation(rid, ids, params, [], t0)
         forced = chat.tool_choice not in (None, "auto", "none")
         parse = chat.tools and (forced or (chat.tool_choice != "none" and s.settings.auto_tool_choice))
         parser = s.tool_parser if parse else None

@@ -5,6 +5,7 @@
                      add_special_tokens=false, chat_template_kwargs?, tools?, return_token_strs=false}
                     -> {count, max_model_len, tokens, token_strs}
   POST /detokenize  {model?, tokens} -> {prompt}
+`model` may be left out with one model; a many-models server needs it (server/multi_api.py).
 """
 
 from __future__ import annotations
@@ -12,12 +13,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-from starlette.requests import Request
 from starlette.responses import Response
 
 from hotstart.server.errors import ApiError, bad_param
 from hotstart.server.gate import json_response
-from hotstart.server.schemas import ChatMessage, decode_request, read_body
+from hotstart.server.schemas import ChatMessage
 from hotstart.server.tools import template_messages
 from hotstart.server.validation import (
     chat_messages,
@@ -84,21 +84,7 @@ def tokenize_ids(serving: OpenAIServing, req: TokenizeRequest) -> list[int]:
     return serving.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
 
 
-class TokenizeServing:
-    """The two endpoints over SERVING's tokenizer (methods, so FastAPI sees a plain `request` parameter)."""
-
-    def __init__(self, serving: OpenAIServing) -> None:
-        self.serving = serving
-
-    async def tokenize(self, request: Request) -> Response:
-        return await tokenize(self.serving, request)
-
-    async def detokenize(self, request: Request) -> Response:
-        return await detokenize(self.serving, request)
-
-
-async def tokenize(serving: OpenAIServing, request: Request) -> Response:
-    req = decode_request(await read_body(request, serving.settings.max_request_bytes), TokenizeRequest)
+def tokenize(serving: OpenAIServing, req: TokenizeRequest) -> Response:
     if req.model is not None:
         serving.check_model(req.model)
     ids = tokenize_ids(serving, req)
@@ -107,8 +93,7 @@ async def tokenize(serving: OpenAIServing, request: Request) -> Response:
                           "token_strs": strs})
 
 
-async def detokenize(serving: OpenAIServing, request: Request) -> Response:
-    req = decode_request(await read_body(request, serving.settings.max_request_bytes), DetokenizeRequest)
+def detokenize(serving: OpenAIServing, req: DetokenizeRequest) -> Response:
     if req.model is not None:
         serving.check_model(req.model)
     check_token_ids(req.tokens, serving.vocab_size, "tokens")

@@ -9,34 +9,11 @@ import time
 
 import httpx
 import pytest
-from util import Server, deploy_metric_names
+from util import Server, Stream, deploy_metric_names
 
 pytestmark = pytest.mark.e2e
 BODY = {"model": "SmolLM2-135M-Instruct", "max_tokens": 24, "ignore_eos": True, "stream": True,
         "temperature": 0, "messages": [{"role": "user", "content": "Tell me a long story about a cat."}]}
-
-
-class Stream(threading.Thread):
-    """One streaming chat request; `lines` as they come, `ended` the perf_counter of its last line."""
-
-    def __init__(self, url: str) -> None:
-        super().__init__(daemon=True)
-        self.url, self.lines, self.ended, self.error = url, [], 0.0, None
-        self.started = threading.Event()
-
-    def run(self) -> None:
-        try:
-            with httpx.stream("POST", self.url + "/v1/chat/completions", json=BODY, timeout=120) as r:
-                assert r.status_code == 200, r.read()
-                for line in r.iter_lines():
-                    if line:
-                        self.lines.append(line)
-                    if len(self.lines) >= 3:
-                        self.started.set()
-        except Exception as e:  # noqa: BLE001 - reported by the test
-            self.error = repr(e)
-        self.ended = time.perf_counter()
-        self.started.set()
 
 
 def test_sigterm_drains_streams_refuses_new_requests_and_exits(default_model_dir):
@@ -44,7 +21,7 @@ def test_sigterm_drains_streams_refuses_new_requests_and_exits(default_model_dir
     live = httpx.get(s.url + "/metrics").text  # every metric name deploy/ uses is served
     names = {x.split("{")[0].split(" ")[0] for x in live.splitlines() if x and not x.startswith("#")}
     assert deploy_metric_names() <= names, deploy_metric_names() - names
-    streams = [Stream(s.url) for _ in range(3)]
+    streams = [Stream(s.url, BODY) for _ in range(3)]
     for t in streams:
         t.start()
     for t in streams:
@@ -72,7 +49,7 @@ def test_sigterm_drains_streams_refuses_new_requests_and_exits(default_model_dir
     for t in streams:
         assert t.error is None, t.error
         assert t.lines[-1] == "data: [DONE]", t.lines[-3:]
-        events = [json.loads(x[6:]) for x in t.lines[:-1]]
+        events = t.events()
         assert not any("error" in e for e in events), events[-2:]
         assert events[-1]["choices"][0]["finish_reason"] == "length"
     last_stream = max(t.ended for t in streams)
@@ -87,7 +64,7 @@ def test_sigterm_drains_streams_refuses_new_requests_and_exits(default_model_dir
 
 def test_second_sigterm_ends_streams_with_an_error_event(default_model_dir):
     s = Server("--max-model-len", "512", "--shutdown-timeout", "60")
-    t = Stream(s.url)
+    t = Stream(s.url, BODY)
     t.start()
     assert t.started.wait(60)
     stop: dict = {}

@@ -6,13 +6,14 @@ from __future__ import annotations
 import concurrent.futures as cf
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
 import psutil
 import pytest
 from openai import APIStatusError, NotFoundError, OpenAI
-from util import Server, no_torch_in, serving
+from util import Server, Stream, deploy_metric_names, no_torch_in, serving
 
 KEY = "test-key"
 ENGINE = ["--max-model-len", "128", "--max-num-seqs", "4", "--dtype", "float32", "--zygote", "off"]
@@ -210,6 +211,109 @@ def test_sigterm_leaves_no_engine(two_slots):
     pids = [e.pid for e in engines(two_slots)]
     assert len(pids) == 2
     two_slots.stop()  # fails if anything of the server is left after it exits
+    assert not [p for p in pids if psutil.pid_exists(p)]
+
+
+# the tiny model of `mixed` renders chats with its own template, so its ids differ from the default model's
+PLAIN_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}assistant:{% endif %}")
+HI = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def mixed(default_model_dir, tmp_path_factory):
+    """The default model (`smol`) and a tiny one with another chat template (`tiny`), no API key."""
+    tiny = make_model(tmp_path_factory.mktemp("tiny") / "tiny", seed=5)
+    (tiny / "chat_template.jinja").write_text(PLAIN_TEMPLATE)
+    yield from serving(f"smol={default_model_dir}", f"tiny={tiny}", "--keep-alive", "-1",
+                       "--shutdown-timeout", "150", *ENGINE)
+
+
+def test_tokenize_answers_with_the_named_models_tokenizer(mixed):
+    def post(path: str, **body) -> httpx.Response:
+        return httpx.post(mixed.url + path, json=body, timeout=120)
+
+    tiny = post("/tokenize", model="tiny", messages=HI).json()
+    plain = post("/tokenize", model="tiny", prompt="user: Hi\nassistant:", add_special_tokens=False).json()
+    assert tiny["tokens"] == plain["tokens"] and tiny["max_model_len"] == 128
+    smol = post("/tokenize", model="smol", messages=HI).json()
+    assert smol["tokens"] != tiny["tokens"]
+    assert post("/detokenize", model="tiny", tokens=tiny["tokens"]).json()["prompt"] == "user: Hi\nassistant:"
+    assert "named SmolLM" in post("/detokenize", model="smol", tokens=smol["tokens"]).json()["prompt"]
+    r = post("/tokenize", model="nope", prompt="x")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = post("/detokenize", tokens=[1])
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+
+
+def test_responses_answer_with_the_named_model_and_one_store(mixed):
+    c = client(mixed, "unused")
+    texts = {}
+    for m in ("smol", "tiny"):
+        r = c.responses.create(model=m, input="Hi", max_output_tokens=6, temperature=0)
+        chat = c.chat.completions.create(model=m, messages=HI, max_tokens=6, temperature=0)
+        assert r.model == m and r.output_text == chat.choices[0].message.content
+        texts[m] = r
+    assert texts["smol"].output_text != texts["tiny"].output_text
+    said = {"role": "assistant", "content": texts["tiny"].output_text}
+    turn = [*HI, said, {"role": "user", "content": "Go"}]
+    follow = c.responses.create(model="tiny", input="Go", previous_response_id=texts["tiny"].id,
+                                max_output_tokens=2, temperature=0)
+    count = httpx.post(mixed.url + "/tokenize", json={"model": "tiny", "messages": turn}).json()["count"]
+    assert follow.usage.input_tokens == count  # the stored conversation was continued
+    # one store for the server: another model may continue it (as OpenAI lets a follow-up change `model`)
+    other = c.responses.create(model="smol", input="Go", previous_response_id=texts["tiny"].id,
+                               max_output_tokens=2, temperature=0)
+    count = httpx.post(mixed.url + "/tokenize", json={"model": "smol", "messages": turn}).json()["count"]
+    assert other.usage.input_tokens == count
+    events = [e.type for e in c.responses.create(model="tiny", input="Hi", max_output_tokens=4, stream=True)]
+    assert events[-1] in ("response.completed", "response.incomplete")
+    r = httpx.post(mixed.url + "/v1/models/tiny/unload", timeout=30)  # 200: the stream's lease has ended
+    assert r.status_code == 200 and r.json()["state"] == "unloaded"
+    with pytest.raises(NotFoundError):
+        c.responses.create(model="nope", input="Hi")
+
+
+def test_live_and_vllm_metrics_per_model(mixed):
+    c = client(mixed, "unused")
+    for m in ("smol", "tiny"):
+        answer(c, m)
+    assert httpx.get(mixed.url + "/live").json() == {"status": "alive"}
+    text = httpx.get(mixed.url + "/metrics").text
+    for m in ("smol", "tiny"):
+        assert f'vllm:generation_tokens_total{{model_name="{m}"}}' in text
+        assert f'vllm:num_requests_running{{model_name="{m}"}}' in text
+        assert f'hotstart_model_state{{model="{m}",state="loaded"}} 1.0' in text
+    names = {x.split("{")[0].split(" ")[0] for x in text.splitlines() if x and not x.startswith("#")}
+    vllm = {n for n in deploy_metric_names() if n.startswith("vllm:")}
+    assert vllm <= names, vllm - names
+    assert "hotstart_draining 0.0" in text
+
+
+def test_sigterm_drains_the_streams_of_every_model(mixed):
+    body = {"model": "smol", "max_tokens": 24, "ignore_eos": True, "stream": True, "temperature": 0,
+            "messages": HI}
+    stream = Stream(mixed.url, body)
+    stream.start()
+    assert stream.started.wait(60), "the stream did not start"
+    assert stream.is_alive(), "the stream ended before SIGTERM: make it longer"
+    pids = [e.pid for e in engines(mixed)]
+    stop: dict = {}
+    stopper = threading.Thread(target=lambda: stop.update(s=mixed.stop(timeout=150)), daemon=True)
+    stopper.start()
+    with httpx.Client(timeout=5) as h:
+        wait_for(lambda: h.get(mixed.url + "/health").status_code == 503, 5)
+        r = h.post(mixed.url + "/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 1})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "server_draining"
+        assert r.headers["retry-after"]
+        assert h.get(mixed.url + "/live").status_code == 200
+    stream.join(150)
+    stopper.join(160)
+    assert stream.error is None and stream.lines[-1] == "data: [DONE]", (stream.error, stream.lines[-3:])
+    events = stream.events()
+    assert not any("error" in e for e in events), [e for e in events if "error" in e]
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert "s" in stop and mixed.proc.returncode == 0
     assert not [p for p in pids if psutil.pid_exists(p)]
 
 

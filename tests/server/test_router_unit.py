@@ -10,8 +10,9 @@ import pytest
 from hotstart.errors import HotstartError
 from hotstart.server import router as router_mod
 from hotstart.server.errors import ApiError
+from hotstart.server.metrics import Metrics
 from hotstart.server.model_specs import model_dir_specs, parse_duration, split_spec
-from hotstart.server.multi_api import labelled
+from hotstart.server.multi_api import merged
 from hotstart.server.router import ModelRecord, ModelRouter, RetryLater, State, transition
 
 
@@ -171,10 +172,18 @@ def test_keep_alive_zero_and_expiry(monkeypatch):
     asyncio.run(main())
 
 
-def test_metrics_get_a_model_label():
-    text = b'# HELP x_total X\n# TYPE x_total counter\nx_total 3.0\ny{a="1"} 2.0\n'
-    seen: set[str] = set()
-    out = labelled(text, "m1", seen)
-    assert out == ["# HELP x_total X", "# TYPE x_total counter", 'x_total{model="m1"} 3.0',
-                   'y{model="m1",a="1"} 2.0']
-    assert labelled(text, "m2", seen)[0] == 'x_total{model="m2"} 3.0'
+def test_metrics_get_a_model_label_and_each_family_once():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    server, a, b = Metrics(), Metrics("a"), Metrics("b")
+    for m in (a, b):
+        m.generation_tokens.inc(2)
+        m.vllm.generation_tokens.labels(m.model_name).inc(3)
+    text = merged([(server.render(), None), (a.render(), "a"), (b.render(), "b")])
+    families = list(text_string_to_metric_families(text))
+    names = [f.name for f in families]
+    assert len(names) == len(set(names)) and text.count("# TYPE hotstart_draining gauge") == 1
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
+    assert samples[("hotstart_generation_tokens_total", (("model", "a"),))] == 2
+    assert samples[("hotstart_generation_tokens_total", ())] == 0  # the server's own, unlabelled
+    assert samples[("vllm:generation_tokens_total", (("model_name", "b"),))] == 3  # vLLM's label alone
