@@ -19,8 +19,8 @@ from hotstart.server.metrics import Metrics
 log = logging.getLogger("hotstart")
 _json = msgspec.json.Encoder()
 # the endpoints counted by name in /metrics; anything else is "other" (a fixed label set)
-ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/live", "/startup",
-             "/metrics"}
+ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/tokenize", "/detokenize",
+             "/v1/models", "/health", "/live", "/startup", "/metrics"}
 # answered while draining: the probes and what observes the server; every other path is refused then
 PROBE_PATHS = frozenset({"/health", "/live", "/startup", "/metrics"})
 RETRY_AFTER_S = 1
