@@ -97,7 +97,7 @@ def _plan(tables: list[list[int]], context: list[int], block_size: int, rows: in
     while start < end:
         n = sum(1 for c in context if c > start)  # the sequences this chunk's keys reach
         size = max(block_size, rows // n // block_size * block_size)
-        stop = min(start + size, -(-context[0] // block_size) * block_size)
+        stop = min(start + size, end)
         j0, j1 = start // block_size, stop // block_size
         blocks = torch.tensor([b for table in tables[:n] for b in table[j0:j1]])
         chunks.append(KeyChunk(n, start, stop, blocks, context[n - 1]))
