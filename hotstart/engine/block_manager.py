@@ -8,6 +8,11 @@
   Computed full blocks are registered (cache_full_blocks); a new sequence starts from the longest
   chain of cached blocks (lookup) and computes only the rest, always at least its last token (its
   logits are needed). A freed block keeps its hash and contents until it is handed out again.
+- Sliding windows (issue 23): when every layer of the model slides (Mistral), a block wholly behind the
+  window of every query to come is released as the sequence grows (allocate()), so a long generation
+  holds O(window) blocks. Its table entry becomes the null block 0: positions keep their index, the
+  window mask never lets attention read it. A released block keeps its prefix-cache hash (its K/V are
+  still those of its prefix) and is handed out again like any freed block.
 - Free blocks form one LRU queue: blocks without a hash are handed out first, then cached ones,
   least recently freed first (a sequence's later blocks before its earlier ones).
 """
@@ -26,6 +31,14 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def freeable_window(layer_windows: Seq[int | None]) -> int | None:
+    """The window behind which KV blocks may be released: the widest of LAYER_WINDOWS when every layer
+    slides (None, attending to every key, on any layer keeps every block: Gemma's global layers)."""
+    if not layer_windows or any(w is None for w in layer_windows):
+        return None
+    return max(layer_windows)
+
+
 def block_hash(parent: bytes, token_ids: Seq[int]) -> bytes:
     """The prefix-cache key of a full block: its token ids chained to the key of the block before it."""
     return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
@@ -34,9 +47,11 @@ def block_hash(parent: bytes, token_ids: Seq[int]) -> bytes:
 class BlockManager:
     """Hands out block ids 1..num_blocks; id 0 is the runner's always-zero null block (padding reads it)."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 window: int | None = None):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.window = window  # the sliding window of every layer (None: some layer sees every key)
         self.ref = [0] * (num_blocks + 1)
         self.hash_of: list[bytes | None] = [None] * (num_blocks + 1)
         # freed blocks (id -> None) in hand-out order: those without a hash at the front, then cached ones
@@ -92,7 +107,7 @@ class BlockManager:
         hashes = self._hashes(seq, full)
         for j in range(seq.num_cached_blocks, full):
             block, h = seq.block_table[j], hashes[j]
-            if self.hash_of[block] is None and h not in self._cached:
+            if block and self.hash_of[block] is None and h not in self._cached:
                 self._cached[h] = block
                 self.hash_of[block] = h
         seq.num_cached_blocks = full
@@ -108,7 +123,8 @@ class BlockManager:
         held = len(seq.block_table) + len(hits)
         need = max(0, blocks_for(num_tokens, self.block_size) - held)
         revived = sum(1 for b in hits if self.ref[b] == 0)  # cached blocks that sit in the free queue
-        return need + revived + self._cow_needed(seq)
+        released = sum(1 for j in self._behind_window(seq) if self.ref[seq.block_table[j]] == 1)
+        return need + revived + self._cow_needed(seq) - released
 
     def can_allocate(self, seq: Sequence, num_tokens: int, hits: Seq[int] = ()) -> bool:
         return self.blocks_needed(seq, num_tokens, hits) <= self.num_free
@@ -128,9 +144,24 @@ class BlockManager:
         self.ref[block] = 1
         return block
 
+    def _behind_window(self, seq: Sequence) -> list[int]:
+        """Indices of SEQ's blocks no query to come can see, not released yet. The next query sits at
+        position c = num_computed_tokens or later and sees keys from c - W + 1 on: block j is behind once
+        (j + 1) * block_size <= c - W + 1. Released blocks (0) form a prefix of the table."""
+        if self.window is None:
+            return []
+        table = seq.block_table
+        j = min((seq.num_computed_tokens - self.window + 1) // self.block_size, len(table)) - 1
+        behind = []
+        while j >= 0 and table[j]:
+            behind.append(j)
+            j -= 1
+        return behind
+
     def allocate(self, seq: Sequence, num_tokens: int, hits: Seq[int] = ()) -> None:
         """Give SEQ blocks for NUM_TOKENS tokens in total. HITS (from lookup(), for a sequence holding
-        no blocks) become its first blocks and its computed tokens."""
+        no blocks) become its first blocks and its computed tokens. Blocks behind every layer's window
+        are released first (the sequence's table keeps 0 in their place)."""
         need = self.blocks_needed(seq, num_tokens, hits)
         if need > self.num_free:
             raise RuntimeError(f"KV cache: {need} blocks needed, {self.num_free} free")
@@ -142,6 +173,9 @@ class BlockManager:
             seq.block_table = list(hits)
             seq.num_computed_tokens = len(hits) * self.block_size
             seq.num_cached_blocks = len(hits)
+        for j in self._behind_window(seq):
+            self._release(seq.block_table[j])
+            seq.block_table[j] = 0
         if self._cow_needed(seq):
             j = seq.num_computed_tokens // self.block_size
             src, dst = seq.block_table[j], self._pop_free()
@@ -161,7 +195,8 @@ class BlockManager:
         """CHILD shares every block of PARENT (same tokens so far); writes into a shared partly filled
         block are copied first."""
         for b in parent.block_table:
-            self.ref[b] += 1
+            if b:  # not a block released behind the window
+                self.ref[b] += 1
         child.block_table = list(parent.block_table)
         child.num_computed_tokens = parent.num_computed_tokens
         child.block_hashes = list(parent.block_hashes)
@@ -175,19 +210,22 @@ class BlockManager:
         """Free SEQ's blocks past the first NUM_TOKENS tokens (rejected speculative drafts: never cached,
         never shared)."""
         keep = blocks_for(num_tokens, self.block_size)
-        self._release(seq.block_table[keep:])
+        for b in reversed(seq.block_table[keep:]):
+            if b:  # not a block released behind the window
+                self._release(b)
         del seq.block_table[keep:]
 
-    def _release(self, blocks: list[int]) -> None:
-        for b in reversed(blocks):
-            self.ref[b] -= 1
-            if self.ref[b] == 0:
-                self._free[b] = None
-                if self.hash_of[b] is None:  # nothing worth keeping: hand it out before cached ones
-                    self._free.move_to_end(b, last=False)
+    def _release(self, block: int) -> None:
+        self.ref[block] -= 1
+        if self.ref[block] == 0:
+            self._free[block] = None
+            if self.hash_of[block] is None:  # nothing worth keeping: hand it out before cached ones
+                self._free.move_to_end(block, last=False)
 
     def free(self, seq: Sequence) -> None:
-        self._release(seq.block_table)
+        for b in reversed(seq.block_table):
+            if b:  # not a block released behind the window
+                self._release(b)
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_cached_blocks = 0

@@ -18,7 +18,7 @@ import torch
 
 from hotstart.config import EngineConfig, ModelConfig
 from hotstart.engine.admission import request_error
-from hotstart.engine.block_manager import BlockManager
+from hotstart.engine.block_manager import BlockManager, freeable_window
 from hotstart.engine.build import SpanHook, load
 from hotstart.engine.executor import Executor
 from hotstart.engine.grammar import WAIT_S, Grammars, grammar_finish
@@ -73,7 +73,8 @@ class EngineCore:
         self.executor, self.cfg, self.model_cfg = executor, cfg, model_cfg
         self.runner = executor.runner  # this process's (rank 0's): the fast path installs into it
         self.max_model_len, self.placement = max_model_len, placement
-        self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching, freeable_window(
+            [model_cfg.layer_window(i) for i in range(model_cfg.num_hidden_layers)]))
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.sampler = Sampler(model_cfg.vocab_size, placement.device, model_cfg.eos_token_ids)
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its live choices

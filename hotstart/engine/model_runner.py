@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from hotstart.engine.sequence import Sequence
-from hotstart.model.attention import AttnMetadata, DecodeGroup, PrefillGroup
+from hotstart.model.attention import AttnMetadata, DecodeGroup, PrefillGroup, chunk_rows, pad_tables
 from hotstart.model.decoder import CausalLM
 
 
@@ -60,6 +60,7 @@ class ModelRunner:
         )
         self.kv_cache[:, :, :, :block_size].zero_()
         self._zeroed = 1  # blocks below this are zeroed (or hold K/V written since)
+        self.chunk_rows = chunk_rows(cfg.num_key_value_heads, cfg.head_dim)  # decode attention chunks
         self.compiled = None  # engine/compiled.py CompiledForward, installed between steps by the fast path
         self.eager_steps = 0
         for i, layer in enumerate(model.model.layers):
@@ -98,19 +99,15 @@ class ModelRunner:
     def _tables(self, tables: list[list[int]], context: list[int]) -> torch.Tensor:
         # [B, nb] block tables padded with the null block 0 to the longest context of the group
         nb = -(-max(context) // self.block_size)
-        return self._tensor([table[:nb] + [0] * (nb - min(nb, len(table))) for table in tables])
+        return self._tensor(pad_tables(tables, nb))
 
     def _decode_group(
         self, s: StepInputs, entries: list[int], last: list[int], everything: bool
     ) -> DecodeGroup:
-        context = [s.starts[i] + 1 for i in entries]
-        tables = self._tables([s.tables[i] for i in entries], context)
-        keys = torch.arange(tables.shape[1] * self.block_size)
-        bias = torch.zeros(len(entries), keys.shape[0])
-        bias.masked_fill_(keys[None, :] >= torch.tensor(context)[:, None], float("-inf"))
-        tokens = None if everything else self._tensor([last[i] for i in entries])
-        return DecodeGroup(tokens, tables, bias[:, None, None, :].to(self.device),
-                           context=self._tensor(context))  # sliding windows: AttnMetadata.window
+        # sorted longest first, cut into chunks, narrowed per sliding window (model/attention.py)
+        return DecodeGroup.build([s.tables[i] for i in entries], [s.starts[i] + 1 for i in entries],
+                                 None if everything else [last[i] for i in entries], self.block_size,
+                                 self.device, self.chunk_rows)
 
     def _prefill_group(
         self, s: StepInputs, entries: list[int], offsets: list[int], everything: bool

@@ -1,18 +1,23 @@
 """Paged attention over the flat token batch of one step (varlen, like vLLM).
 
 The tokens of all sequences in a step are flattened into one dimension T. A sequence with one new
-token (a decode, or a one-token prompt) takes the decode path: its keys are gathered block by block
-from the head-major cache ([KVH, slots, D]: one index_select gives [KVH, B, L, D], the layout the
-batched matmuls want, with no further copy) and attended with two batched matmuls. Measured at B=16,
-one thread, per layer: context 192, 0.18 ms against 0.68 ms with a slot-major cache; context 512,
-0.39 ms against 2.1 ms; SDPA's CPU flash kernel with a mask took 1.3 ms at context 128 before gathers.
-Sequences with
-several new tokens (prefill chunks) take SDPA with a causal mask over their padded queries.
+token (a decode, or a one-token prompt) takes the decode path; sequences with several new tokens
+(prefill chunks, multi-token verify queries) take SDPA with a causal mask over their padded queries.
 Metadata is built once per step (engine/model_runner.py) and shared by every layer; a sliding window
 W (a query at position p sees keys p - W + 1 .. p, transformers' convention) narrows the decode bias and
 the prefill mask once per step per distinct window (AttnMetadata.window), at its first layer. Logit
 soft-capping (Gemma 2: tanh(s / c) * c before the mask) cannot go through SDPA: capped prefills take a
 manual softmax.
+
+Decode over the paged cache (docs/serving.md, "Attention over the paged cache"): the cache is head-major
+([KVH, slots, D]), so one index_select over whole blocks gives [KVH, n, keys, D], the layout the batched
+matmuls want. The decode group is sorted by context, longest first, and its keys are cut into chunks of
+whole blocks (KeyChunk): chunk c covers key positions start .. stop of the first n sequences, those
+whose context reaches it, so no sequence is padded to the longest one, and a chunk is at most about
+DECODE_CHUNK_BYTES of K or V, so what a chunk gathers stays in the caches between its gather and
+its matmul (the whole-context gather wrote the step's entire K and V to memory and read them back).
+Two passes: q.k of every chunk into one float32 score tensor [KVH, Bd, G, L] (small: no D), one softmax,
+then probs.v chunk by chunk. A step whose keys fit one chunk takes exactly the single-gather path.
 """
 
 from __future__ import annotations
@@ -22,15 +27,82 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
+# Bytes of K (or V) one decode chunk gathers at most, as float32 (model/attention.py docstring): 1.5 MiB,
+# 2,048 keys x sequences of SmolLM2-135M (3 KV heads of 64). Chosen by benchmarks/paged_attention.py on
+# the 2-core AVX2 CPU: 1,024 - 8,192 such rows a chunk all beat one whole gather at 16 x 1,000 keys,
+# 2,048 the most (docs/serving.md).
+DECODE_CHUNK_BYTES = 1536 << 10
+
+
+def chunk_rows(kv_heads: int, head_dim: int) -> int:
+    """Keys x sequences of one decode chunk for KV_HEADS heads of HEAD_DIM (DECODE_CHUNK_BYTES)."""
+    return max(1, DECODE_CHUNK_BYTES // (kv_heads * head_dim * 4))
+
+
+@dataclass
+class KeyChunk:
+    """Key positions START .. STOP (whole blocks) of the first N sequences of a decode group."""
+
+    n: int
+    start: int
+    stop: int
+    blocks: torch.Tensor  # [n * (stop - start) / bs] long: their blocks, sequence by sequence
+    shortest: int  # the smallest context among the N (windows skip a chunk every N slid past)
+
 
 @dataclass
 class DecodeGroup:
-    """Sequences with one new token each."""
+    """Sequences with one new token each, sorted by context, longest first."""
 
     tokens: torch.Tensor | None  # [Bd] long: their flat token indices (None: all T tokens, in order)
     block_tables: torch.Tensor  # [Bd, nb] long: KV blocks of each (0 = the null block)
     bias: torch.Tensor  # [Bd, 1, 1, nb * bs] float32: 0 where the key is in context, -inf past it
     context: torch.Tensor | None = None  # [Bd] long: keys in context (the query sits at context - 1)
+    chunks: list[KeyChunk] = field(default_factory=list)  # empty: one gather of block_tables
+
+    @classmethod
+    def build(cls, tables: list[list[int]], context: list[int], tokens: list[int] | None, block_size: int,
+              device: torch.device, rows: int) -> DecodeGroup:
+        """The group of sequences with block TABLES and CONTEXT keys each, whose queries are the flat
+        tokens TOKENS (None: all T tokens, in this order), sorted longest first; ROWS: the most keys x
+        sequences of a chunk (chunk_rows())."""
+        order = sorted(range(len(context)), key=lambda i: -context[i])
+        if order != list(range(len(context))):
+            tokens = [tokens[i] if tokens is not None else i for i in order]
+            tables, context = [tables[i] for i in order], [context[i] for i in order]
+        padded = pad_tables(tables, -(-context[0] // block_size))
+        keys = torch.arange(len(padded[0]) * block_size)
+        bias = torch.zeros(len(context), keys.shape[0])
+        bias.masked_fill_(keys[None, :] >= torch.tensor(context)[:, None], float("-inf"))
+        chunks = _plan(padded, context, block_size, rows)
+        for c in chunks:
+            c.blocks = c.blocks.to(device, non_blocking=True)
+        return cls(None if tokens is None else torch.tensor(tokens).to(device, non_blocking=True),
+                   torch.tensor(padded).to(device, non_blocking=True), bias[:, None, None, :].to(device),
+                   context=torch.tensor(context).to(device, non_blocking=True), chunks=chunks)
+
+
+def pad_tables(tables: list[list[int]], nb: int) -> list[list[int]]:
+    """Each block table cut or padded with the null block 0 to NB blocks."""
+    return [table[:nb] + [0] * (nb - min(nb, len(table))) for table in tables]
+
+
+def _plan(tables: list[list[int]], context: list[int], block_size: int, rows: int) -> list[KeyChunk]:
+    """Cut the keys of sequences sorted longest first into chunks of whole blocks of at most ROWS keys x
+    sequences (at least one block); [] when one chunk holds them all (one gather of the tables)."""
+    if len(tables[0]) * block_size * len(tables) <= rows:
+        return []
+    chunks: list[KeyChunk] = []
+    start, end = 0, len(tables[0]) * block_size
+    while start < end:
+        n = sum(1 for c in context if c > start)  # the sequences this chunk's keys reach
+        size = max(block_size, rows // n // block_size * block_size)
+        stop = min(start + size, end)
+        j0, j1 = start // block_size, stop // block_size
+        blocks = torch.tensor([b for table in tables[:n] for b in table[j0:j1]])
+        chunks.append(KeyChunk(n, start, stop, blocks, context[n - 1]))
+        start = stop
+    return chunks
 
 
 @dataclass
@@ -68,7 +140,8 @@ class AttnMetadata:
             if d is not None:
                 keys = torch.arange(d.bias.shape[-1], device=d.bias.device)
                 out = keys[None, :] < (d.context - w)[:, None]  # [Bd, L]: slid out of the window
-                d = replace(d, bias=d.bias.masked_fill(out[:, None, None, :], float("-inf")))
+                chunks = [c for c in d.chunks if c.stop > c.shortest - w]  # not slid out for all n
+                d = replace(d, bias=d.bias.masked_fill(out[:, None, None, :], float("-inf")), chunks=chunks)
             if p is not None:
                 keys = torch.arange(p.mask.shape[-1], device=p.mask.device)
                 valid = p.q_valid[:, :, None]  # padded rows keep their one key (no NaN)
@@ -78,12 +151,10 @@ class AttnMetadata:
         return self.windows[w]
 
 
-def _gather(cache: torch.Tensor, tables: torch.Tensor, block_size: int) -> torch.Tensor:
-    # cache: [KVH, slots, D] -> the blocks of each sequence, head-major: [KVH, B, nb * bs, D]
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, n: int, block_size: int) -> torch.Tensor:
+    # cache: [KVH, slots, D], blocks: [n * nb] -> those blocks, head-major: [KVH, n, nb * bs, D]
     kvh, _, d = cache.shape
-    b, nb = tables.shape
-    blocks = cache.view(kvh, -1, block_size, d).index_select(1, tables.flatten())  # [KVH, B * nb, bs, D]
-    return blocks.view(kvh, b, nb * block_size, d)
+    return cache.view(kvh, -1, block_size, d).index_select(1, blocks).view(kvh, n, -1, d)
 
 
 def _cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
@@ -93,23 +164,45 @@ def _cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup,
                      block_size: int, scale: float, softcap: float | None = None) -> torch.Tensor:
-    # q: [Bd, H, D] -> [Bd, H, D]; grouped-query: H = KVH * G, query heads of one KV head adjacent
+    # q: [Bd, H, D] (the group's order) -> [Bd, H, D]; grouped-query: H = KVH * G, query heads of one KV
+    # head adjacent
     bd, h, d = q.shape
     kvh = k_cache.shape[0]
-    k = _gather(k_cache, g.block_tables, block_size)  # [KVH, Bd, L, D]
-    v = _gather(v_cache, g.block_tables, block_size)
-    qg = q.view(bd, kvh, h // kvh, d).transpose(0, 1)  # [KVH, Bd, G, D]
-    scores = _cap(torch.matmul(qg, k.transpose(-1, -2)).float() * scale, softcap) + g.bias.view(1, bd, 1, -1)
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)  # [KVH, Bd, G, L]
-    return torch.matmul(probs, v).transpose(0, 1).reshape(bd, h, d)
+    # The matmuls' dtype: float32 on CPU (AVX2 has no bfloat16 dot product: a chunk upcast in cache then
+    # multiplied in float32 measured ~2.7x faster than torch's bfloat16 matmul), else the cache's.
+    cd = torch.float32 if q.device.type == "cpu" else q.dtype
+    chunks = g.chunks or [KeyChunk(bd, 0, g.bias.shape[-1], g.block_tables.flatten(), 0)]
+    one = len(chunks) == 1 and chunks[0].n == bd  # every key of every sequence in one chunk
+    qg = q.to(cd).view(bd, kvh, h // kvh, d).transpose(0, 1)  # [KVH, Bd, G, D]
+    bias = g.bias.view(1, bd, 1, -1)
+    # [KVH, Bd, G, L] float32; scores no chunk reaches stay 0 and get their -inf from the bias
+    scores = None if one else q.new_zeros(kvh, bd, h // kvh, bias.shape[-1], dtype=torch.float32)
+    for c in chunks:
+        k = _gather(k_cache, c.blocks, c.n, block_size).to(cd)  # [KVH, n, keys, D]
+        part = torch.matmul(qg[:, :c.n], k.transpose(-1, -2))  # [KVH, n, G, keys]
+        if one:
+            scores = part.float()
+        else:
+            scores[:, :c.n, :, c.start:c.stop] = part
+    probs = torch.softmax(_cap(scores.mul_(scale), softcap).add_(bias), dim=-1).to(cd)
+    out = None if one else q.new_zeros(kvh, bd, h // kvh, d, dtype=torch.float32)  # [KVH, Bd, G, D]
+    for c in chunks:
+        v = _gather(v_cache, c.blocks, c.n, block_size).to(cd)
+        part = torch.matmul(probs[:, :c.n, :, c.start:c.stop], v)
+        if one:
+            out = part
+        else:
+            out[:, :c.n] += part
+    return out.to(q.dtype).transpose(0, 1).reshape(bd, h, d)
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: PrefillGroup,
                       block_size: int, scale: float, softcap: float | None = None) -> torch.Tensor:
     # q: [Tp, H, D] -> [Tp, H, D]
     qp = q[g.q_index].transpose(1, 2)  # [Bp, H, Qmax, D]
-    kp = _gather(k_cache, g.block_tables, block_size).transpose(0, 1)  # [Bp, KVH, L, D]
-    vp = _gather(v_cache, g.block_tables, block_size).transpose(0, 1)
+    tables, bp = g.block_tables.flatten(), g.block_tables.shape[0]
+    kp = _gather(k_cache, tables, bp, block_size).transpose(0, 1)  # [Bp, KVH, L, D]
+    vp = _gather(v_cache, tables, bp, block_size).transpose(0, 1)
     if softcap is None:
         out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=g.mask, scale=scale, enable_gqa=True)
     else:  # SDPA cannot cap: the softmax by hand, KV heads repeated for their query heads
@@ -127,11 +220,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     window: the layer's sliding window (None: full); softcap: its attention logit cap (None: none)."""
     meta = meta.window(window)
     d, p, block_size = meta.decode, meta.prefill, meta.block_size
-    if p is None:
+    if p is None and d.tokens is None:
         return decode_attention(q, k_cache, v_cache, d, block_size, scale, softcap)
-    if d is None:
+    if d is None and p.tokens is None:
         return prefill_attention(q, k_cache, v_cache, p, block_size, scale, softcap)
-    out = torch.empty_like(q)
-    out[d.tokens] = decode_attention(q[d.tokens], k_cache, v_cache, d, block_size, scale, softcap)
-    out[p.tokens] = prefill_attention(q[p.tokens], k_cache, v_cache, p, block_size, scale, softcap)
+    out = torch.empty_like(q)  # a group's tokens are None only when it holds all T tokens, in order
+    if d is not None:
+        out[d.tokens] = decode_attention(q[d.tokens], k_cache, v_cache, d, block_size, scale, softcap)
+    if p is not None:
+        out[p.tokens] = prefill_attention(q[p.tokens], k_cache, v_cache, p, block_size, scale, softcap)
     return out
