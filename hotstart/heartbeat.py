@@ -76,6 +76,15 @@ def start(requests_address: str, rank: int, timeout: float) -> Heart:
     return Heart(None)
 
 
+def remove(requests_address: str, ranks: int) -> None:
+    """Remove the heartbeat files of a generation that is gone (its RANKS ranks)."""
+    for rank in range(ranks):
+        try:
+            os.unlink(path(requests_address, rank))
+        except OSError:
+            pass
+
+
 def read(file: str) -> tuple[int, float] | None:
     """(beat count, seconds in the current step) from FILE, or None if it is missing or short."""
     try:

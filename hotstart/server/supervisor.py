@@ -134,7 +134,7 @@ class EngineSupervisor:
     # --- liveness ---------------------------------------------------------------------------
     async def _watch_liveness(self) -> None:
         timeout = self.cfg.engine_heartbeat_timeout
-        every = min(CHECK_S, timeout / 5) if timeout > 0 else CHECK_S
+        every = max(0.01, min(CHECK_S, timeout / 5)) if timeout > 0 else CHECK_S
         while not self.closing and not self.fatal:
             await asyncio.sleep(every)
             try:
@@ -256,6 +256,7 @@ class EngineSupervisor:
             self._watch_launcher()
         elif self.cfg.tensor_parallel_size > 1 or killed:
             self.launcher.stop_engine()  # the dead generation's ranks still alive, or unreaped
+        heartbeat.remove(self.launcher.addresses().requests, self.cfg.tensor_parallel_size)
         self.spawn(new_generation=True)
         self.transport.bind()
 
