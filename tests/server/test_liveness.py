@@ -58,19 +58,23 @@ def _stream_until_error(s: Server, freeze) -> tuple[list[str], float]:
     return rest, time.monotonic() - t
 
 
-def _answers_again(s: Server, since: float, within: float) -> float:
-    """Seconds from SINCE until the server answered a new request correctly (polled within WITHIN)."""
-    while time.monotonic() - since < within:
-        try:
-            r = httpx.post(s.url + "/v1/chat/completions", json=QUESTION, timeout=within)
-        except httpx.TimeoutException:
-            break
-        if r.status_code == 200:
-            assert "Paris" in r.json()["choices"][0]["message"]["content"]
-            return time.monotonic() - since
-        assert r.status_code == 503, r.text  # the replacement is starting
-        time.sleep(0.1)
-    raise AssertionError(f"no answer within {within} s\n{s.output[-3000:]}")
+def _answers_again(s: Server, since: float, within: float) -> tuple[float, float]:
+    """Seconds from SINCE until /health said ready again, and until a new request was answered correctly
+    (within WITHIN)."""
+    ready = None
+    while (took := time.monotonic() - since) < within:
+        if ready is None:
+            if httpx.get(s.url + "/health").status_code != 200:
+                time.sleep(0.05)
+                continue
+            ready = took
+        r = httpx.post(s.url + "/v1/chat/completions", json=QUESTION, timeout=within - took)
+        assert r.status_code == 200, r.text
+        assert "Paris" in r.json()["choices"][0]["message"]["content"]
+        answered = time.monotonic() - since
+        assert answered < within, (ready, answered)
+        return ready, answered
+    raise AssertionError(f"not ready again within {within} s\n{s.output[-3000:]}")
 
 
 def _gone(pid: int, within: float = 5.0) -> bool:
@@ -95,12 +99,12 @@ def test_a_stopped_engine_fails_its_stream_and_is_replaced_at_the_defaults(defau
             error = json.loads(next(line for line in rest if '"engine_dead"' in line).removeprefix("data: "))
             assert f"engine pid {engine.pid} sent no heartbeat for" in error["error"]["message"], error
             assert took < 20, took
-            again = _answers_again(s, frozen_at, 40)
+            ready, again = _answers_again(s, frozen_at, 40)
             assert _gone(engine.pid), "the frozen engine is still there"
         line = next(x for x in s.lines if "sent no heartbeat" in x).strip()
         assert re.fullmatch(rf"hotstart: engine pid {engine.pid} sent no heartbeat for [5-9]\.\d s: killed, "
                             r"restarting", line), line
-        print(f"SIGSTOP -> stream error {took:.2f} s, -> answered again {again:.2f} s")
+        print(f"SIGSTOP -> stream error {took:.2f} s, ready again {ready:.2f} s, answered {again:.2f} s")
     finally:
         s.stop()
     assert "Traceback" not in s.output, s.output[-3000:]
@@ -183,12 +187,12 @@ def test_a_stopped_forkserver_and_engine_are_replaced(default_model_dir):
             t = time.monotonic()
             forkserver.suspend()
             engine.suspend()
-            again = _answers_again(s, t, 90)  # a fresh forkserver imports torch: slow on a loaded machine
+            ready, again = _answers_again(s, t, 90)  # 1 + 10 s, then a fresh forkserver imports torch
             assert _gone(forkserver.pid) and _gone(engine.pid)
         assert _forkserver(s).pid != forkserver.pid
         assert any(f"the forkserver (pid {forkserver.pid}) forked no engine within 10 s" in x
                    for x in s.lines), s.output[-3000:]
-        print(f"forkserver + engine stopped -> answered again {again:.2f} s")
+        print(f"forkserver + engine stopped -> ready again {ready:.2f} s, answered again {again:.2f} s")
     finally:
         s.stop()
     assert "Traceback" not in s.output, s.output[-3000:]
