@@ -61,7 +61,7 @@ class Heart:
             time.sleep(self.every)
             try:
                 self._beat()
-            except OSError:  # the folder was removed: the server is going away
+            except OSError:  # the file cannot be written: silence, which the supervisor acts on
                 return
 
 
