@@ -17,6 +17,7 @@ from hotstart.flags import (
     non_negative,
     option,
     port,
+    seconds,
     values,
 )
 from hotstart.model_config import ModelConfig, RopeConfig, load_model_config
@@ -71,6 +72,13 @@ class EngineConfig:
               "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' drafts up to K tokens per sequence by "
               "prompt lookup and verifies them in one forward (same output; docs/serving.md)",
         type=speculative_config)
+    engine_heartbeat_timeout: float = option(
+        5.0, "an engine process (any tensor-parallel rank) silent this long is killed and replaced, its "
+             "requests failed: it beats from a thread every 0.5 s, also during long steps (0: off)",
+        type=seconds)
+    engine_step_timeout: float = option(
+        0.0, "an engine step running this long is taken for a hang (a Python-level deadlock, a wedged "
+             "collective): killed and replaced like a silent engine (0: off)", type=seconds)
     cursor_path: str | None = None  # LoadCursor file shared with the API process's prefetcher (None: none)
     t0: float = 0.0  # launch time (time.time()) for the startup timeline
 

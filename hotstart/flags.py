@@ -47,6 +47,20 @@ def fraction(text: str) -> float:
 fraction.metavar = "F"
 
 
+def seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0.0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text}")
+    return value
+
+
+seconds.metavar = "SECONDS"
+
+
 def bucket_list(text: str) -> str:
     """Comma-separated positive integers, e.g. 1,2,4,8 (kept as text: configs travel as plain data)."""
     parts = [p.strip() for p in text.split(",") if p.strip()]

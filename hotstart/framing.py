@@ -27,15 +27,16 @@ def frame(msg: Any) -> bytes:
     return HEADER.pack(len(data)) + data
 
 
-def send(sock: socket.socket, msg: Any) -> None:
-    """Write one frame (blocking until sent, whatever the socket's mode)."""
+def send(sock: socket.socket, msg: Any, timeout: float | None = None) -> None:
+    """Write one frame, whatever the socket's mode: blocking until sent, or raising TimeoutError (an
+    OSError) after TIMEOUT seconds (a peer that stopped reading: its buffer is full)."""
     data = frame(msg)
-    timeout = sock.gettimeout()
-    sock.settimeout(None)
+    mode = sock.gettimeout()
+    sock.settimeout(timeout)
     try:
         sock.sendall(data)
     finally:
-        sock.settimeout(timeout)
+        sock.settimeout(mode)
 
 
 class FrameReader:

@@ -9,8 +9,10 @@ import time
 
 from hotstart.errors import HotstartError
 
-# engine options that make no sense offline (one sequence; --seed is the request's here; one process)
-ENGINE_EXCLUDES = ("max_num_seqs", "max_num_batched_tokens", "seed", "tensor_parallel_size")
+# engine options that make no sense offline (one sequence; --seed is the request's here; one process, no
+# watchdog)
+ENGINE_EXCLUDES = ("max_num_seqs", "max_num_batched_tokens", "seed", "tensor_parallel_size",
+                   "engine_heartbeat_timeout", "engine_step_timeout")
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -5,7 +5,8 @@ It runs forked from the warm forkserver (hotstart.forkserver.server) or spawned 
 off. A message it cannot decode is logged and, when it names a request, answered with an error for it.
 With tensor parallelism (WORLD_SIZE > 1) every rank joins the group first and builds its part under a
 TensorParallelExecutor (engine/executor.py): rank 0 is that engine and its executor broadcasts each step
-to the other ranks, which run the executor's follow() loop and talk to nobody else.
+to the other ranks, which run the executor's follow() loop and talk to nobody else. Every rank beats
+from its first moment (hotstart/heartbeat.py): the API process's supervisor kills a silent one.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import msgspec
 import torch  # noqa: F401 - imported here so the forkserver preloads it
 import zmq
 
-from hotstart import logs
+from hotstart import heartbeat, logs
 from hotstart.config import EngineConfig
 from hotstart.engine import distributed
 from hotstart.engine.core import EngineCore
@@ -103,6 +104,7 @@ def run_rank(cfg: EngineConfig, addresses: EngineAddresses, rank: int, world_siz
 
 def run_engine(cfg: EngineConfig, addresses: EngineAddresses, rank: int = 0, world_size: int = 1) -> int:
     logs.setup("engine")
+    heart = heartbeat.start(addresses.requests, rank, cfg.engine_heartbeat_timeout)
     if rank > 0:
         return run_rank(cfg, addresses, rank, world_size)
     ctx = zmq.Context(io_threads=1)
@@ -168,10 +170,12 @@ def run_engine(cfg: EngineConfig, addresses: EngineAddresses, rank: int = 0, wor
                 elif isinstance(msg, Shutdown):
                     running = False
         if running and core.has_work():
+            heart.step_began()
             try:
                 outputs = core.step()
             except RuntimeError as e:
                 core.executor.step_failed(e)
+            heart.step_ended()
             send(StepOutputs(outputs, core.stats()))
         else:
             core.executor.heartbeat()

@@ -68,6 +68,8 @@ def validate(msg, uid: int) -> str | None:
             return f"{name} {v} out of range (1 to {high})"
     if not 0 < cfg.gpu_memory_utilization <= 1 or not math.isfinite(cfg.t0):
         return "gpu_memory_utilization or t0 out of range"
+    if not all(0 <= t < math.inf for t in (cfg.engine_heartbeat_timeout, cfg.engine_step_timeout)):
+        return "engine_heartbeat_timeout or engine_step_timeout out of range"
     if cfg.device not in ("auto", "cpu", "cuda") or cfg.dtype not in ("auto", "bfloat16", "float16",
                                                                       "float32"):
         return f"unknown device {cfg.device!r} or dtype {cfg.dtype!r}"

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from hotstart.messages import EngineAddresses
 
 STOP_GRACE_S = 3.0
+SEND_TIMEOUT_S = 2.0  # a message of ours waits this long at most for a forkserver that stopped reading
 
 
 
@@ -146,7 +147,7 @@ class EngineLauncher:
             from hotstart.framing import send  # noqa: PLC0415
 
             try:
-                send(self._sock, SpawnEngine(self.generation, cfg, addresses, world_size))
+                send(self._sock, SpawnEngine(self.generation, cfg, addresses, world_size), SEND_TIMEOUT_S)
             except OSError:  # the server is gone (a stopped zygote): poll_events reports its EOF
                 pass
             return
@@ -233,20 +234,23 @@ class EngineLauncher:
         from hotstart.framing import send  # noqa: PLC0415
 
         try:
-            send(self._sock, msg)
+            send(self._sock, msg, SEND_TIMEOUT_S)
             return True
         except OSError:
             return False
 
-    def abandon_zygote(self, reason: str) -> None:
-        """Stop using the zygote (it did not fork in time): the next poll_events reports
-        ForkserverExited, and restart_server() starts a local forkserver."""
-        if self.zygote_pid is None:
+    def abandon_server(self, reason: str) -> None:
+        """Stop using the forkserver or zygote (it did not answer in time): a forkserver is SIGKILLed, a
+        zygote (others may use it) only left. The next poll_events reports ForkserverExited, and
+        restart_server() starts a local forkserver."""
+        if self._sock is None:
             return
         from hotstart.messages import ForkserverExited  # noqa: PLC0415
 
-        print(f"hotstart: the zygote {reason}; starting a local forkserver", file=sys.stderr)
-        self.last_lost = "zygote"
+        self.last_lost = "zygote" if self.zygote_pid is not None else "forkserver"
+        pid = self.zygote_pid or (self.server.pid if self.server is not None else "?")
+        print(f"hotstart: the {self.last_lost} (pid {pid}) {reason}; starting a local forkserver",
+              file=sys.stderr)
         self._close_server(grace=0)
         self._pending.append(ForkserverExited(None))
 
@@ -257,7 +261,7 @@ class EngineLauncher:
             from hotstart.messages import StopEngine  # noqa: PLC0415
 
             try:
-                send(self._sock, StopEngine(self.generation))
+                send(self._sock, StopEngine(self.generation), SEND_TIMEOUT_S)
             except OSError:  # the server is gone: poll_events reports it
                 pass
         elif self.direct:
@@ -279,7 +283,7 @@ class EngineLauncher:
             from hotstart.messages import StopServer  # noqa: PLC0415
 
             try:
-                send(self._sock, StopServer())
+                send(self._sock, StopServer(), SEND_TIMEOUT_S)
             except OSError:
                 pass
 

@@ -38,6 +38,7 @@ from hotstart.messages import (  # noqa: E402
 from hotstart.procs import die_with_parent, terminate_then_kill  # noqa: E402
 
 KILL_GRACE_S = 2.0
+SEND_TIMEOUT_S = 5.0  # a client that reads nothing for this long while we write to it is dropped
 SELECT_S = 0.1  # also the reaping period while idle
 
 
@@ -70,7 +71,7 @@ class ForkServer:
 
     def _send(self, conn: socket.socket, msg) -> bool:
         try:
-            send(conn, msg)
+            send(conn, msg, SEND_TIMEOUT_S)
             return True
         except OSError:
             self._drop(conn)

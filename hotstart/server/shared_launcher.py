@@ -146,8 +146,8 @@ class ModelLauncher:
             if self.shared.real.fileno() is None:
                 self.shared.real.restart_server()
 
-    def abandon_zygote(self, reason: str) -> None:
-        self.shared.real.abandon_zygote(reason)
+    def abandon_server(self, reason: str) -> None:
+        self.shared.real.abandon_server(reason)
 
     def stop_engine(self) -> None:
         if self.generation:

@@ -11,6 +11,14 @@ With tensor parallelism the engine is a group of ranks (the API process talks to
 any rank of the current generation is the engine's death; the rest of the group is stopped and all
 ranks are forked again.
 
+Liveness (check_liveness, a few times a second): an engine that stops making progress without dying
+(SIGSTOP, a hang holding the GIL, a rank frozen under tensor parallelism) stops beating
+(hotstart/heartbeat.py). After --engine-heartbeat-timeout seconds of silence from any rank (60 s
+before the engine's READY: a fresh interpreter imports torch, a cold weight read may hold the GIL),
+or a step longer than --engine-step-timeout, every rank is SIGKILLed and the death takes the crash path
+above. Every wait on the forkserver is bounded too: one that forks nothing within FORK_TIMEOUT_S of
+being asked (PRELOAD_TIMEOUT_S while it still imports torch) is killed (a zygote: left) and replaced.
+
 The transport (server/engine_client.py) owns the sockets and the request queues; it tells the
 supervisor what the engine says (spans, READY, FAILED) and the supervisor tells it to fail its requests
 or to bind new sockets. One supervisor per engine: a server may hold several.
@@ -24,6 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from hotstart import heartbeat
 from hotstart.boot.timeline import Timeline
 from hotstart.config import EngineConfig
 from hotstart.forkserver.client import EngineLauncher
@@ -34,7 +43,10 @@ log = logging.getLogger("hotstart")
 DIRECT_POLL_S = 0.1  # exit check of a directly spawned engine (no forkserver socket to watch)
 RESTART_WINDOW_S = 60.0
 MAX_RESTARTS_IN_WINDOW = 5  # more deaths than this within the window: give up (a crash loop)
-ZYGOTE_FORK_TIMEOUT_S = 10.0  # a zygote forks in ms; one that has not forked by then is abandoned
+FORK_TIMEOUT_S = 10.0  # a forkserver or zygote that preloaded forks in ms: one silent this long is replaced
+PRELOAD_TIMEOUT_S = 180.0  # a fresh forkserver's torch + engine import, cold, on a loaded machine
+STARTUP_SILENCE_S = 60.0  # the heartbeat limit until READY (at least --engine-heartbeat-timeout)
+CHECK_S = 0.25  # liveness checks' period (at most; a fifth of the heartbeat timeout if that is shorter)
 
 
 class Transport(Protocol):
@@ -70,7 +82,12 @@ class EngineSupervisor:
         self._died_at: float | None = None
         self._deaths: list[float] = []
         self._watch_task: asyncio.Task | None = None
+        self._liveness_task: asyncio.Task | None = None
         self._reader_fd: int | None = None
+        self._server_up_at: float | None = None  # when the forkserver in use sent ServerInfo (preload done)
+        self._asked_at = time.monotonic()  # when the current generation was asked for
+        self._beats: dict[int, tuple[int, int | None, float]] = {}  # rank -> (pid, beat count, changed at)
+        self._beats_generation = -1
 
     @property
     def restarting(self) -> bool:
@@ -79,27 +96,22 @@ class EngineSupervisor:
 
     def spawn(self, new_generation: bool = False) -> None:
         """Ask for the engine process now (sync; callable before the event loop exists)."""
+        self._asked_at = time.monotonic()
         self.launcher.spawn(self.cfg, new_generation, world_size=self.cfg.tensor_parallel_size)
 
     def start(self) -> None:
-        """Watch the launcher (inside the event loop)."""
+        """Watch the launcher and the engine's liveness (inside the event loop)."""
         self._watch_launcher()
         self.on_launcher_event()
-        if self.launcher.zygote_pid is not None:
-            asyncio.get_running_loop().call_later(ZYGOTE_FORK_TIMEOUT_S, self._check_zygote_forked)
+        self._liveness_task = asyncio.ensure_future(self._watch_liveness())
 
     def stop(self) -> None:
         """Stop watching (the server is closing)."""
         self.closing = True
         self._unwatch_launcher()
-        if self._watch_task is not None:
-            self._watch_task.cancel()
-
-    def _check_zygote_forked(self) -> None:
-        if (self.launcher.zygote_pid is not None and not self.launcher.engine_pids and not self.closing
-                and not self.fatal):
-            self.launcher.abandon_zygote(f"forked no engine within {ZYGOTE_FORK_TIMEOUT_S:.0f} s")
-            self.on_launcher_event()
+        for task in (self._watch_task, self._liveness_task):
+            if task is not None:
+                task.cancel()
 
     def _watch_launcher(self) -> None:
         fd = self.launcher.fileno()
@@ -119,6 +131,62 @@ class EngineSupervisor:
             self.on_launcher_event()
             await asyncio.sleep(DIRECT_POLL_S)
 
+    # --- liveness ---------------------------------------------------------------------------
+    async def _watch_liveness(self) -> None:
+        timeout = self.cfg.engine_heartbeat_timeout
+        every = max(0.01, min(CHECK_S, timeout / 5)) if timeout > 0 else CHECK_S
+        while not self.closing and not self.fatal:
+            await asyncio.sleep(every)
+            try:
+                self.check_liveness(time.monotonic())
+            except Exception as e:  # noqa: BLE001 - the watchdog must outlive a bug in one check
+                log.error("hotstart: engine liveness check failed: %s: %s", type(e).__name__, e)
+
+    def check_liveness(self, now: float) -> None:
+        """Kill and replace a silent engine, or a forkserver that does not fork (see the module docstring)."""
+        if self.closing or self.fatal:
+            return
+        pids = dict(self.launcher.engine_pids)
+        if not pids:
+            return self._check_forkserver(now)
+        if self.launcher.generation != self._beats_generation:
+            self._beats_generation, self._beats = self.launcher.generation, {}
+        timeout, step_timeout = self.cfg.engine_heartbeat_timeout, self.cfg.engine_step_timeout
+        if timeout <= 0 and step_timeout <= 0:
+            return
+        requests = self.launcher.addresses().requests
+        for rank, pid in sorted(pids.items()):
+            record = heartbeat.read(heartbeat.path(requests, rank))
+            count, step_s = record if record is not None else (None, 0.0)
+            seen = self._beats.get(rank)
+            if seen is None or seen[0] != pid or count != seen[1]:
+                self._beats[rank] = seen = (pid, count, now)
+            tp = self.cfg.tensor_parallel_size
+            who = f"engine rank {rank} of {tp} (pid {pid})" if tp > 1 else f"engine pid {pid}"
+            limit = timeout if self.ready and count is not None else max(timeout, STARTUP_SILENCE_S)
+            if timeout > 0 and now - seen[2] > limit:
+                return self._engine_unresponsive(f"{who} sent no heartbeat for {now - seen[2]:.1f} s")
+            if 0 < step_timeout < step_s:
+                return self._engine_unresponsive(
+                    f"{who} has been in one step for {step_s:.1f} s (--engine-step-timeout {step_timeout:g})")
+
+    def _check_forkserver(self, now: float) -> None:
+        """No rank of the current generation forked yet: bounded by FORK_TIMEOUT_S once the forkserver
+        is up (a zygote is), by PRELOAD_TIMEOUT_S before."""
+        up = self._server_up_at is not None or self.launcher.zygote_pid is not None
+        limit = FORK_TIMEOUT_S if up else PRELOAD_TIMEOUT_S
+        if now - max(self._asked_at, self._server_up_at or 0.0) <= limit or not self.launcher.use_forkserver:
+            return
+        self._asked_at = now  # one replacement per limit
+        did = "forked no engine" if up else "did not finish its preload"
+        self.launcher.abandon_server(f"{did} within {limit:.0f} s")
+        self.on_launcher_event()  # ForkserverExited: the forkserver-death path
+
+    def _engine_unresponsive(self, what: str) -> None:
+        """A rank is silent or stuck: SIGKILL every rank (a stopped process dies too), then the death path."""
+        self.launcher.kill_engine()
+        self._engine_died(what, forkserver_dead=False, killed=True)
+
     # --- what the launcher reports ----------------------------------------------------------
     def on_launcher_event(self) -> None:
         events = self.launcher.poll_events()
@@ -126,6 +194,7 @@ class EngineSupervisor:
         events.sort(key=lambda ev: isinstance(ev, EngineExited) and ev.code == RANK_LEFT)
         for ev in events:
             if isinstance(ev, ServerInfo):
+                self._server_up_at = time.monotonic()
                 if self.server_info is None:  # a replacement forkserver is not part of startup
                     self.timeline.record(ev.preload)
                 self.server_info = ev
@@ -145,7 +214,9 @@ class EngineSupervisor:
                 code = "" if ev.code is None else f" (code {ev.code}){exit_cause(ev.code)}"
                 self._engine_died(f"{self.launcher.last_lost} exited{code}", forkserver_dead=True)
 
-    def _engine_died(self, what: str, forkserver_dead: bool) -> None:
+    def _engine_died(self, what: str, forkserver_dead: bool, killed: bool = False) -> None:
+        """WHAT ended the engine (KILLED: the supervisor killed it, see check_liveness): fail its requests,
+        then replace it or give up."""
         if self.fatal:
             return
         was_ready, self.ready = self.ready, False
@@ -154,13 +225,17 @@ class EngineSupervisor:
             log.warning("hotstart: %s during startup; starting a local forkserver", what)
             self.timeline.mark("zygote lost", "api", what)
             return self._replace(forkserver_dead=True)
-        log.error("hotstart: %s", what)
-        self.transport.fail_requests(what)
         now = time.time()
         self._deaths = [t for t in self._deaths if now - t < RESTART_WINDOW_S] + [now]
-        if not (self.auto_restart and (was_ready or self._died_at is not None)):
-            return self.fail(what)  # died during startup: a replacement would only die the same way
-        if len(self._deaths) > MAX_RESTARTS_IN_WINDOW:
+        # died during startup: a replacement would only die the same way
+        restart = self.auto_restart and (was_ready or self._died_at is not None)
+        crash_loop = restart and len(self._deaths) > MAX_RESTARTS_IN_WINDOW
+        outcome = (": killed, restarting" if restart and not crash_loop else ": killed") if killed else ""
+        log.error("hotstart: %s%s", what, outcome)
+        self.transport.fail_requests(what)
+        if not restart:
+            return self.fail(what)
+        if crash_loop:
             return self.fail(
                 f"{what}; {len(self._deaths)} engine deaths within {RESTART_WINDOW_S:.0f} s, giving up"
             )
@@ -169,17 +244,19 @@ class EngineSupervisor:
         self.status = "restarting"
         if self.on_replace is not None:
             self.on_replace()
-        self._replace(forkserver_dead)
+        self._replace(forkserver_dead, killed)
 
-    def _replace(self, forkserver_dead: bool) -> None:
+    def _replace(self, forkserver_dead: bool, killed: bool = False) -> None:
         """A new engine generation (and a fresh forkserver if it died), on new sockets."""
         self.transport.unbind()
         if forkserver_dead and self.launcher.use_forkserver:
             self._unwatch_launcher()
+            self._server_up_at = None
             self.launcher.restart_server()
             self._watch_launcher()
-        elif self.cfg.tensor_parallel_size > 1:
-            self.launcher.stop_engine()  # the ranks still alive of the dead generation
+        elif self.cfg.tensor_parallel_size > 1 or killed:
+            self.launcher.stop_engine()  # the dead generation's ranks still alive, or unreaped
+        heartbeat.remove(self.launcher.addresses().requests, self.cfg.tensor_parallel_size)
         self.spawn(new_generation=True)
         self.transport.bind()
 

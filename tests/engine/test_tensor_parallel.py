@@ -267,6 +267,45 @@ def test_a_killed_rank_fails_the_stream_and_the_group_is_forked_again(tiny_check
     assert "Traceback" not in s.output, s.output[-3000:]
 
 
+def test_a_stopped_rank_fails_the_stream_and_the_group_is_killed_and_forked_again(tiny_checkpoint,
+                                                                                  default_model_dir):
+    """SIGSTOP rank 1 mid-stream: rank 0 waits in a collective, rank 1 beats no more; both ranks are
+    SIGKILLed after the heartbeat timeout and the group is forked again."""
+    model = _servable(tiny_checkpoint, default_model_dir, "qwen2-tp")
+    s = Server(str(model), "-tp", "2", *SERVE, "--engine-heartbeat-timeout", "1.5")
+    ask = {"model": model.name, "prompt": _prompt(512, 8), "max_tokens": 8, "temperature": 0,
+           "ignore_eos": True}
+    frozen = None
+    try:
+        pids = _rank_pids(s)
+        frozen = psutil.Process(pids[1])
+        with httpx.stream("POST", s.url + "/v1/completions", timeout=60,
+                          json={**ask, "max_tokens": 900, "stream": True}) as r:
+            lines = r.iter_lines()
+            assert "cmpl" in next(line for line in lines if line.startswith("data:"))
+            frozen.suspend()
+            t = time.monotonic()
+            rest = [line for line in lines if line.startswith("data:")]
+            took = time.monotonic() - t
+        assert any('"engine_dead"' in line for line in rest) and rest[-1] == "data: [DONE]", rest[-3:]
+        assert took < 10, took
+        while time.monotonic() - t < 30 and httpx.get(s.url + "/health").status_code != 200:
+            time.sleep(0.05)
+        answer = httpx.post(s.url + "/v1/completions", json=ask, timeout=60)
+        assert answer.status_code == 200, s.output[-3000:]
+        again = time.monotonic() - t
+        assert f"engine rank 1 of 2 (pid {pids[1]}) sent no heartbeat for" in s.output
+        fresh = [p.pid for p in _forkserver(s).children()]
+        assert len(fresh) == 2 and not set(fresh) & set(pids.values())  # both ranks killed, forked again
+        assert not psutil.pid_exists(pids[0]) and not psutil.pid_exists(pids[1])
+        print(f"rank 1 stopped -> stream error {took:.2f} s, -> answered again {again:.2f} s")
+    finally:
+        if frozen is not None and frozen.is_running():
+            frozen.resume()  # a stopped leftover would never exit
+        s.stop()
+    assert "Traceback" not in s.output, s.output[-3000:]
+
+
 def test_sizes_that_cannot_work_are_one_error_line(tiny_checkpoint, default_model_dir, tmp_path):
     cores = len(os.sched_getaffinity(0))
     model = _servable(tiny_checkpoint, default_model_dir, "qwen2-tp")

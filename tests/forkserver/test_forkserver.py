@@ -51,6 +51,24 @@ def test_frames_round_trip_and_split_anywhere():
         FrameReader(ToForkserver).feed(b"\x00\x00\x00\x02\xc1\xc1")
 
 
+def test_a_send_to_a_peer_that_stopped_reading_gives_up_in_time():
+    """A frozen forkserver (or client) reads nothing: once its buffer is full, a bounded send raises
+    within its timeout instead of blocking forever, and leaves the socket's mode as it was."""
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    msg = StopEngine(1)
+    sent, t = 0, time.monotonic()
+    with pytest.raises(TimeoutError):
+        while True:  # the peer never reads
+            t = time.monotonic()
+            send(ours, msg, 0.2)
+            sent += 1
+    assert sent > 10 and 0.15 < time.monotonic() - t < 2, (sent, time.monotonic() - t)
+    assert ours.gettimeout() == 0.0
+    ours.close()
+    theirs.close()
+
+
 class Forkserver:
     """`python -m hotstart.forkserver FD` over a socketpair, read with the framing helper."""
 
