@@ -95,17 +95,24 @@ class Choice:
     def feed(self, out: TokenOutput) -> Delta:
         """The text (and logprobs) one engine output adds; sets finish_reason when it ends the choice."""
         ids = out.new_token_ids
-        self.completion_tokens += len(ids)
-        if out.logprobs:
-            self.logprobs += zip(ids, out.logprobs)
         reason = out.finish_reason
         # a user stop token ends the text without appearing in it (eos is special: decode skips it)
-        if reason == "stop" and ids and ids[-1] in self.stop_ids:
-            ids = ids[:-1]
-        delta = self.detok.add(ids) if ids else ""
-        if reason is not None:
-            delta += self.detok.flush()
-        piece = self.filter.feed(delta)
+        text_ids = ids[:-1] if reason == "stop" and ids and ids[-1] in self.stop_ids else ids
+        # several tokens in one output (speculative decoding) with stop strings: fed one at a time, so the
+        # count and the logprobs end with the token that completes a stop string, as with plain decoding
+        groups = [[t] for t in text_ids] if len(text_ids) > 1 and self.filter.stops else [text_ids]
+        piece, used = "", len(ids)
+        for n, group in enumerate(groups):
+            if group:
+                piece += self.filter.feed(self.detok.add(group))
+            if self.filter.stopped:
+                used = n + len(group)
+                break
+        if reason is not None and not self.filter.stopped:
+            piece += self.filter.feed(self.detok.flush())
+        self.completion_tokens += used
+        if out.logprobs:
+            self.logprobs += zip(ids[:used], out.logprobs[:used])
         if self.filter.stopped:
             reason = "stop"
         elif reason is not None:
