@@ -73,7 +73,14 @@ def test_short_soak_sends_every_kind_and_survives_a_kill(tmp_path):
     mine[(False, 200)] += 2
     theirs = server_counts(metrics)
     chat, text = "/v1/chat/completions", "/v1/completions"
-    assert {(e == text, st): n for (e, st), n in theirs.items() if e in (chat, text)} == dict(mine), theirs
+    srv = {(e == text, st): n for (e, st), n in theirs.items() if e in (chat, text)}
+    # a request whose status the client never saw (its connection broken by the kill, or a hang-up before
+    # the headers) was still counted by the server, under some status
+    unknown = {k: n for k, n in mine.items() if k[1] is None}
+    known = {k: n for k, n in mine.items() if k[1] is not None}
+    assert sum(srv.values()) == sum(mine.values()), (theirs, mine)
+    assert all(srv.get(k, 0) >= n for k, n in known.items()), (theirs, mine)
+    assert sum(unknown.values()) <= 3, mine
 
     # the kill: found, excused, recovered from
     [fault] = data["faults"]
