@@ -50,6 +50,7 @@ def restart_s(kind: str, model: str) -> float:
     spec = hotstart_spec(model, "auto", []) if kind == "hotstart" else peer_spec(kind, model, "float32", [])
     srv = Server.launch(spec.argv, env={**os.environ, **spec.env}, tag=spec.name, url=spec.url)
     try:
+        srv.wait_url(srv.t_launch + 600)  # hotstart's `--port 0`: read from its output
         _, t = srv.ask("The capital of France is", 8, None, srv.t_launch + 600)
         return t
     finally:
