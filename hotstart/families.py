@@ -68,7 +68,8 @@ class Family:
     # How the attention window is read. "none": never (full attention whatever the file says);
     # "always": `sliding_window` (null: full); "opt-in": only with `use_sliding_window: true`, on the layers
     # `layer_types` names "sliding_attention" (absent: layers from `max_window_layers` on); "opt-in-all":
-    # with `use_sliding_window: true`, taken to hold for every layer (Qwen2/3-MoE; refused past the window);
+    # with `use_sliding_window: true`, every layer (Qwen3-MoE); "opt-in-even": with `use_sliding_window:
+    # true`, the `layer_types` ones (absent: the even layers below `max_window_layers`, Qwen2-MoE);
     # "pattern": the `layer_types` ones (absent: all but every `sliding_window_pattern`-th layer, Gemma).
     sliding_window: str = "none"
     moe: Moe | None = None  # a mixture of experts (hotstart/model/moe.py); None: dense MLPs
@@ -184,7 +185,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "mixtral", ("MixtralForCausalLM",), "mixtral", "hotstart.model.families.mixtral:MixtralForCausalLM",
-        "supported: Mixtral 8x7B / 8x22B (where `sliding_window` is null or at least the served context)",
+        "supported: Mixtral 8x7B / 8x22B (`sliding_window` on every layer, or null)",
         defaults={"max_position_embeddings": 131072, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
                   "num_local_experts": 8, "num_experts_per_tok": 2},
         sliding_window="always",
@@ -204,11 +205,12 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "qwen2-moe", ("Qwen2MoeForCausalLM",), "qwen2_moe",
         "hotstart.model.families.qwen2_moe:Qwen2MoeForCausalLM",
-        "supported: Qwen1.5-MoE, Qwen2-MoE (routed and sigmoid-gated shared experts)",
+        "supported: Qwen1.5-MoE, Qwen2-MoE (routed and sigmoid-gated shared experts; `use_sliding_window`: "
+        "windowed layers as `layer_types` says)",
         defaults={"max_position_embeddings": 32768, "num_key_value_heads": 16, "qkv_bias": True,
                   "num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
-                  "shared_expert_intermediate_size": 5632},
-        qkv_bias="qkv_bias", sliding_window="opt-in-all",
+                  "shared_expert_intermediate_size": 5632, "max_window_layers": 28},
+        qkv_bias="qkv_bias", sliding_window="opt-in-even",
         moe=Moe(*QWEN_MOE_NAMES, shared_expert=True, sparse_step=True),
         # Qwen1.5-MoE-A2.7B: 60 experts of 1408, 4 per token, a shared expert of 5632
         sizes={"14b-a2.7b": Shape(2048, 5632, 24, 16, 16, None, False)},
@@ -231,7 +233,7 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "qwen3-moe", ("Qwen3MoeForCausalLM",), "qwen3_moe",
         "hotstart.model.families.qwen3_moe:Qwen3MoeForCausalLM",
-        "supported: Qwen3-MoE (30B-A3B, 235B-A22B)",
+        "supported: Qwen3-MoE (30B-A3B, 235B-A22B; `use_sliding_window`: every layer windowed)",
         defaults={"max_position_embeddings": 32768, "num_key_value_heads": 4, "num_experts": 128,
                   "num_experts_per_tok": 8, "moe_intermediate_size": 768},
         qkv_bias="attention_bias", o_bias="attention_bias", qk_norm=True, sliding_window="opt-in-all",
@@ -325,7 +327,7 @@ PHI_FAMILIES: tuple[Family, ...] = (
     Family(
         "phi3", ("Phi3ForCausalLM",), "phi3", "hotstart.model.families.phi3:Phi3ForCausalLM",
         "supported: Phi-3, Phi-3.5, Phi-4-mini (fused qkv / gate_up, LongRoPE, partial rotary; "
-        "a `sliding_window` shorter than the context is refused)",
+        "`sliding_window` on every layer)",
         defaults={"max_position_embeddings": 4096, "original_max_position_embeddings": 4096,
                   "rms_norm_eps": 1e-5},
         sliding_window="always", fused_checkpoint=True, partial_rotary=True,

@@ -97,21 +97,6 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
-    def check_context(self, tokens: int) -> None:
-        """Refuse TOKENS of context past the sliding window where the layers take no window: sliding
-        windows are implemented for the dense families (model/attention.py), not yet in the
-        mixture-of-experts decoder layers (model/moe.py), where full attention beyond the window would
-        answer differently from the model."""
-        w = self.sliding_window
-        if w is None or w >= tokens or not self.num_experts:
-            return
-        opt_in = families.by_name(self.family).sliding_window.startswith("opt-in")
-        how = "'use_sliding_window' is true and " if opt_in else ""
-        raise ModelConfigError(
-            f"{Path(self.path) / 'config.json'}: {how}field 'sliding_window' ({w}) is shorter than the "
-            f"context to serve ({tokens} tokens): sliding-window attention is not implemented yet for "
-            f"mixture-of-experts models; serve with --max-model-len {w} or less")
-
 
 def _field(raw: dict, name: str, kind: type, src: Path, default: Any = ..., positive: bool = False):
     if name not in raw or raw[name] is None:
@@ -273,6 +258,10 @@ def _sliding_window(fam: families.Family, raw: dict, src: Path, layers: int) -> 
     if fam.sliding_window in ("always", "opt-in-all"):
         return window, (True,) * layers
     types = raw.get("layer_types")
+    if types is None and fam.sliding_window == "opt-in-even":
+        # transformers' Qwen2-MoE: the even layers below `max_window_layers` slide
+        first = _field(raw, "max_window_layers", int, src, default=fam.defaults["max_window_layers"])
+        types = ["sliding_attention" if i % 2 == 0 and i < first else "full_attention" for i in range(layers)]
     if types is None and fam.sliding_window == "pattern":
         # Gemma: every PATTERN-th layer is global, the others slide (Gemma 2: 2, Gemma 3: 6)
         n = _field(raw, "sliding_window_pattern", int, src, default=fam.defaults["sliding_window_pattern"],

@@ -53,11 +53,9 @@ def _native_cpu_dtypes() -> set[str]:
 
 
 def max_model_len_for(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
-    """The context the engine serves: --max-model-len, else the model's max_position_embeddings; refused
-    where the model's config asks for what the engine does not implement at that length (a sliding window)."""
+    """The context the engine serves: --max-model-len, else the model's max_position_embeddings."""
     limit = model_cfg.max_position_embeddings
     if cfg.max_model_len is None:
-        model_cfg.check_context(limit)
         return limit
     if cfg.max_model_len > limit:
         raise HotstartError(
@@ -65,7 +63,6 @@ def max_model_len_for(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
         )
     if cfg.max_model_len < 1:
         raise HotstartError(f"--max-model-len must be >= 1, got {cfg.max_model_len}")
-    model_cfg.check_context(cfg.max_model_len)
     return cfg.max_model_len
 
 

@@ -124,7 +124,14 @@ WINDOWS = [
     ("gemma2", {}),  # layer_types written by transformers
     ("gemma2", {"layer_types": DROP}),  # absent: every other layer, from layer 0
     ("gemma3", {"layer_types": DROP, "sliding_window_pattern": 2}),
+    ("mixtral", {"sliding_window": 8}),
+    ("qwen3-moe", {"sliding_window": 8}),  # without use_sliding_window
+    ("qwen3-moe", {"use_sliding_window": True, "sliding_window": 8}),  # every layer
+    ("qwen2-moe", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 3}),  # 0 and 2
+    ("qwen2-moe", {"use_sliding_window": True, "sliding_window": 8,
+                   "layer_types": ["sliding_attention"] + ["full_attention"] * 3}),
 ]
+SLIDE_EVERY_LAYER = ("mistral", "mixtral", "qwen3-moe")  # their code applies the window to every layer
 
 
 @pytest.mark.parametrize("family,changes", WINDOWS, ids=[f"{f}-{i}" for i, (f, _) in enumerate(WINDOWS)])
@@ -137,11 +144,10 @@ def test_windows_are_read_as_transformers_reads_them(tmp_path, family, changes):
     cfg = load_model_config(folder)
     window = getattr(theirs, "sliding_window", None)
     types = getattr(theirs, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
-    if family == "mistral":
-        types = ["sliding_attention"] * cfg.num_hidden_layers  # Mistral's code slides every layer
+    if family in SLIDE_EVERY_LAYER:
+        types = ["sliding_attention"] * cfg.num_hidden_layers
     want = [window if t == "sliding_attention" else None for t in types]
     assert [cfg.layer_window(i) for i in range(cfg.num_hidden_layers)] == want
-    cfg.check_context(1 << 20)  # implemented: never refused
     ids = torch.arange(1, 25).unsqueeze(0)  # 24 tokens: past a window of 8, within one of 64
     windowed, state = _logits(folder, ids)
     plain = {k: DROP for k in ("sliding_window", "use_sliding_window", "layer_types", "max_window_layers",

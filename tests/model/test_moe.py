@@ -16,6 +16,7 @@ from util import Server
 from hotstart import families
 from hotstart.config import EngineConfig, load_model_config
 from hotstart.engine.core import EngineCore
+from hotstart.engine.sequence import Sequence
 from hotstart.errors import HotstartError, ModelConfigError
 from hotstart.messages import EngineRequest, SamplingParams
 from hotstart.model import parallel
@@ -113,12 +114,49 @@ def test_bad_moe_fields_are_refused_naming_the_field(family, changes, message):
     assert str(e.value).startswith("/m/config.json: ") and "\n" not in str(e.value)
 
 
-def test_a_qwen_moe_window_is_refused_past_it():
-    cfg = _cfg("qwen3-moe", use_sliding_window=True, sliding_window=64, max_window_layers=48)
-    with pytest.raises(ModelConfigError, match=r"'use_sliding_window' is true and field 'sliding_window'"):
-        cfg.check_context(128)  # transformers' Qwen3-MoE slides every layer, whatever max_window_layers says
-    cfg.check_context(64)
-    assert _cfg("qwen2-moe", sliding_window=0).sliding_window is None  # without use_sliding_window: unread
+# sliding windows shorter than the text, in the layers transformers slides for each family
+MOE_WINDOWS = [
+    ("mixtral", {"sliding_window": 6}),  # every layer
+    ("qwen3-moe", {"use_sliding_window": True, "sliding_window": 6}),  # every layer
+    ("qwen2-moe", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 3}),  # layers 0, 2
+    ("qwen2-moe", {"use_sliding_window": True, "sliding_window": 5,
+                   "layer_types": ["full_attention", "sliding_attention"] * 2}),
+]
+
+
+@pytest.mark.parametrize("family,changes", MOE_WINDOWS,
+                         ids=[f"{f}-{i}" for i, (f, _) in enumerate(MOE_WINDOWS)])
+def test_windows_in_moe_models_match_transformers(tmp_path, family, changes):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, kw = TINY[family]
+    torch.manual_seed(0)
+    theirs = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**kw, **changes}),
+                                              dtype=torch.float32).eval()
+    theirs.save_pretrained(tmp_path, safe_serialization=True)
+    cfg = load_model_config(tmp_path)
+    assert any(cfg.layer_window(i) for i in range(cfg.num_hidden_layers))
+    core = EngineCore.build(EngineConfig(
+        model_path=str(tmp_path), weight_files=tuple(str(p) for p in weight_files(tmp_path)), device="cpu",
+        dtype="float32", kv_cache_memory=16 << 20, max_model_len=1024, block_size=4))
+    ids = torch.randint(0, cfg.vocab_size, (19,), generator=torch.Generator().manual_seed(3)).tolist()
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    core.add_request(EngineRequest("w", list(ids), params))
+    ours: list[int] = []
+    while core.has_work():  # decode past the window: paged blocks, windowed decode attention
+        for o in core.step():
+            ours += o.new_token_ids
+    with torch.no_grad():
+        want = theirs.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, len(ids):].tolist()
+        text = ids + want
+        their_logits = theirs(torch.tensor([text])).logits[0, -1]
+    assert ours == want
+    seq = Sequence("logits", list(text), len(text), SamplingParams(max_tokens=1))
+    core.blocks.allocate(seq, len(text))  # one prefill of 43 tokens: the windowed prefill mask
+    our_logits = core.runner.forward([(seq, len(text))], [True])[0]
+    err = (our_logits - their_logits).abs().max()
+    assert torch.allclose(our_logits, their_logits, atol=1e-3, rtol=0), err
 
 
 def test_an_expert_width_not_divisible_is_named():
