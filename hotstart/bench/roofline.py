@@ -7,7 +7,10 @@ plus each sequence's KV cache so far. The physical limit is therefore
 
 and fraction(...) reports tokens/s x bytes per token / bandwidth (1.0 = at the limit). "weights" are
 the bytes one decode step reads at the served dtype: every tensor of the checkpoint, except the input
-embedding table when the LM head is a separate tensor (a step reads one row of it per token).
+embedding table when the LM head is a separate tensor (a step reads one row of it per token). In a
+mixture of experts a step reads only the routed experts its tokens picked: with B tokens each picking k
+of E experts (taken as uniform and independent), a layer reads E x (1 - (1 - k/E)^B) of them on average,
+so the routed experts' bytes count with that share (k/E at one stream, nearly all at a large batch).
 
 The bandwidth is measured STREAM-like with torch on large float32 arrays (far beyond the caches):
 `read` = sum(a) (bytes of a per pass), `copy` = b.copy_(a) (read + write: twice the bytes), with 1
@@ -128,12 +131,22 @@ def bandwidth(given: float | None, device: str = "cpu", measure_if_unknown: bool
 
 @dataclass(frozen=True)
 class ModelBytes:
-    weights: int  # bytes one decode step reads (module docstring)
+    weights: int  # bytes of the tensors a decode step may read (module docstring), routed experts included
     kv_per_token: int  # K and V of every layer for one token
     dtype: str
+    experts: int = 0  # of `weights`: the routed experts' bytes (a mixture of experts; 0: dense)
+    num_experts: int = 0  # E routed experts per layer
+    top_k: int = 0  # k experts per token
+
+    def step_bytes(self, batch: int) -> float:
+        """Weight bytes one decode step of BATCH tokens reads (on average, for routed experts)."""
+        if not self.experts:
+            return float(self.weights)
+        touched = 1 - (1 - self.top_k / self.num_experts) ** max(1, batch)
+        return self.weights - self.experts + self.experts * touched
 
     def per_token(self, batch: int, context: float) -> float:
-        return self.weights / max(1, batch) + self.kv_per_token * context
+        return self.step_bytes(batch) / max(1, batch) + self.kv_per_token * context
 
 
 def _tensors(path: Path) -> dict[str, dict]:
@@ -158,7 +171,10 @@ def model_bytes(model_dir: str | Path, dtype: str | None = None) -> ModelBytes:
     weights = sum(_numel(v["shape"]) * size for v in read.values())
     cfg = load_model_config(model_dir)
     kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * size
-    return ModelBytes(weights, kv, dtype or own)
+    if not cfg.num_experts:
+        return ModelBytes(weights, kv, dtype or own)
+    experts = sum(_numel(v["shape"]) * size for k, v in read.items() if ".experts." in k)
+    return ModelBytes(weights, kv, dtype or own, experts, cfg.num_experts, cfg.num_experts_per_tok)
 
 
 def _numel(shape: list[int]) -> int:

@@ -64,6 +64,20 @@ def test_untied_embedding_table_is_not_read_whole(tiny_checkpoint):
     assert mb.kv_per_token == 2 * 3 * 3 * 16 * 4
 
 
+def test_a_mixture_of_experts_reads_the_experts_its_tokens_pick(tiny_checkpoint):
+    path = tiny_checkpoint("qwen3-moe")  # 7 experts, 3 per token, in layers 1 and 3
+    sizes = _tensor_bytes(path)
+    mb = roofline.model_bytes(path)
+    routed = sum(v for k, v in sizes.items() if ".mlp.experts." in k)
+    assert mb.weights == sum(sizes.values()) - sizes["model.embed_tokens.weight"]
+    assert (mb.experts, mb.num_experts, mb.top_k) == (routed, 7, 3)
+    dense = mb.weights - routed
+    assert mb.step_bytes(1) == pytest.approx(dense + routed * 3 / 7)  # one token: its 3 experts of 7
+    assert mb.step_bytes(2) == pytest.approx(dense + routed * (1 - (4 / 7) ** 2))
+    assert mb.step_bytes(64) == pytest.approx(mb.weights, rel=1e-6)  # a large batch touches them all
+    assert mb.per_token(2, 10) == pytest.approx(mb.step_bytes(2) / 2 + mb.kv_per_token * 10)
+
+
 def test_fraction():
     mb = roofline.ModelBytes(weights=1000, kv_per_token=10, dtype="BF16")
     # batch 4, 50 tokens attended: 1000 / 4 + 10 x 50 = 750 bytes per token; 2e6 tok/s x 750 B / 3 GB/s
