@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_model_reference import LOGIT_ATOL, _greedy, _prefill_logits, _ref_greedy
 from tp_ranks import executor_for_case, prefill_and_decode, run_two_ranks
 from util import Server
 
 from hotstart import families
 from hotstart.config import EngineConfig, load_model_config
 from hotstart.engine.core import EngineCore
-from hotstart.engine.sequence import Sequence
 from hotstart.errors import HotstartError, ModelConfigError
 from hotstart.messages import EngineRequest, SamplingParams
 from hotstart.model import parallel
@@ -140,23 +140,18 @@ def test_windows_in_moe_models_match_transformers(tmp_path, family, changes):
         model_path=str(tmp_path), weight_files=tuple(str(p) for p in weight_files(tmp_path)), device="cpu",
         dtype="float32", kv_cache_memory=16 << 20, max_model_len=1024, block_size=4))
     ids = torch.randint(0, cfg.vocab_size, (19,), generator=torch.Generator().manual_seed(3)).tolist()
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    core.add_request(EngineRequest("w", list(ids), params))
-    ours: list[int] = []
-    while core.has_work():  # decode past the window: paged blocks, windowed decode attention
-        for o in core.step():
-            ours += o.new_token_ids
+    want = _ref_greedy(theirs, ids, 24, eos=None)
+    assert _greedy(core, ids, 24) == want  # decode past the window: paged blocks, windowed decode attention
+    text = ids + want
     with torch.no_grad():
-        want = theirs.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=None,
-                               pad_token_id=0)[0, len(ids):].tolist()
-        text = ids + want
         their_logits = theirs(torch.tensor([text])).logits[0, -1]
-    assert ours == want
-    seq = Sequence("logits", list(text), len(text), SamplingParams(max_tokens=1))
-    core.blocks.allocate(seq, len(text))  # one prefill of 43 tokens: the windowed prefill mask
-    our_logits = core.runner.forward([(seq, len(text))], [True])[0]
+    our_logits = _prefill_logits(core, text)  # one prefill of 43 tokens: the windowed prefill mask
     err = (our_logits - their_logits).abs().max()
-    assert torch.allclose(our_logits, their_logits, atol=1e-3, rtol=0), err
+    assert torch.allclose(our_logits, their_logits, atol=LOGIT_ATOL, rtol=0), err
+
+
+def test_a_qwen2_moe_window_is_unread_without_use_sliding_window():
+    assert _cfg("qwen2-moe", sliding_window=0).sliding_window is None
 
 
 def test_an_expert_width_not_divisible_is_named():
