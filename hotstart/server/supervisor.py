@@ -47,6 +47,9 @@ FORK_TIMEOUT_S = 10.0  # a forkserver or zygote that preloaded forks in ms: one 
 PRELOAD_TIMEOUT_S = 180.0  # a fresh forkserver's torch + engine import, cold, on a loaded machine
 STARTUP_SILENCE_S = 60.0  # the heartbeat limit until READY (at least --engine-heartbeat-timeout)
 CHECK_S = 0.25  # liveness checks' period (at most; a fifth of the heartbeat timeout if that is shorter)
+# An engine that cannot start sends its reason (EngineFailed, on the output socket) and then exits; the
+# exit comes on the launcher's socket and may be read first. This long, the reason may still overtake it.
+EXIT_REASON_GRACE_S = 1.0
 
 
 class Transport(Protocol):
@@ -234,7 +237,7 @@ class EngineSupervisor:
         log.error("hotstart: %s%s", what, outcome)
         self.transport.fail_requests(what)
         if not restart:
-            return self.fail(what)
+            return self._fail_unless_told_why(what, wait=not killed)
         if crash_loop:
             return self.fail(
                 f"{what}; {len(self._deaths)} engine deaths within {RESTART_WINDOW_S:.0f} s, giving up"
@@ -259,6 +262,16 @@ class EngineSupervisor:
         heartbeat.remove(self.launcher.addresses().requests, self.cfg.tensor_parallel_size)
         self.spawn(new_generation=True)
         self.transport.bind()
+
+    def _fail_unless_told_why(self, what: str, wait: bool) -> None:
+        """Fail with WHAT (an exit code), unless the engine's own reason arrives within the grace."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if not wait or loop is None:
+            return self.fail(what)
+        loop.call_later(EXIT_REASON_GRACE_S, lambda: self.fatal is None and not self.closing and self.fail(what))
 
     def fail(self, message: str) -> None:
         """The engine is gone for good: requests fail, the server is told (on_fatal)."""
