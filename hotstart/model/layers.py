@@ -33,6 +33,26 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class PackedGroup:
+    """Sibling Linear modules that read the same input (q/k/v, gate/up), prepacked as one stacked weight:
+    one oneDNN call instead of one per projection (engine/fastpath/pack.py builds it). The prepacked copy
+    costs what the separate ones did; the checkpoint's views stay for the plain path and the loader."""
+
+    def __init__(self, linears: list[Linear]):
+        self.split_sizes = [m.weight.shape[0] for m in linears]
+        self.prepacked = onednn.pack(torch.cat([m.weight for m in linears]))  # [sum of outs, in]
+        biases = [m.bias for m in linears]
+        self.bias = None if biases[0] is None else torch.cat(biases)
+
+    def stacked(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, in] -> [T, sum of outs]: the projections' outputs side by side, in order
+        return onednn.linear(x, self.prepacked, self.bias)
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # x: [T, in] -> one [T, out_i] view per projection, in order
+        return self.stacked(x).split(self.split_sizes, dim=-1)
+
+
 class FusedLinear(Linear):
     """Several checkpoint projections stacked along dim 0 into one matmul (q/k/v, gate/up): the GPU layout,
     where weights are copied anyway (on CPU they stay separate zero-copy views of the file).
@@ -150,6 +170,7 @@ class Attention(nn.Module):
             self.k_proj = Linear(cfg.hidden_size, self.kv_size, bias=cfg.qkv_bias)
             self.v_proj = Linear(cfg.hidden_size, self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.packed_qkv: PackedGroup | None = None  # q/k/v prepacked as one (fast path), unfused only
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else self.head_dim**-0.5
@@ -162,13 +183,36 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
+    def pack_groups(self) -> dict[str, list[Linear]]:
+        """Attribute -> the projections the fast path prepacks into it as one PackedGroup."""
+        return {} if self.fused else {"packed_qkv": [self.q_proj, self.k_proj, self.v_proj]}
+
+    def qkv_stacked(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x: [T, hidden] -> [T, H * D + 2 * KVH * D], q | k | v side by side, where one matmul makes them
+        (fused checkpoint layout, or packed by the fast path); else None."""
+        if self.fused:
+            return self.qkv_proj(x)
+        if self.packed_qkv is not None:
+            return self.packed_qkv.stacked(x)
+        return None
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] -> q: [T, H * D], k, v: [T, KVH * D] (one matmul where fused or packed)."""
+        y = self.qkv_stacked(x)
+        if y is not None:
+            return y.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x: [T, hidden] (normed) -> q: [T, H, D], k, v: [T, KVH, D] (q/k normed, RoPE applied)."""
         t = x.shape[0]
-        if self.fused:
-            q, k, v = self.qkv_proj.forward_split(x)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        y = self.qkv_stacked(x) if self.q_norm is None else None
+        if y is not None:  # q and k side by side: one rotation of [T, H + KVH, D] instead of two
+            qk_size, heads = self.q_size + self.kv_size, self.num_heads
+            qk = y[:, :qk_size].view(t, heads + self.num_kv_heads, self.head_dim)
+            qk = RotaryEmbedding.apply(qk, cos, sin)
+            return qk[:, :heads], qk[:, heads:], y[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv(x)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -197,10 +241,16 @@ class GatedMLP(nn.Module):
             self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act = ACTIVATIONS[cfg.hidden_act]
+        self.packed_gate_up: PackedGroup | None = None  # gate/up prepacked as one (fast path), unfused only
+
+    def pack_groups(self) -> dict[str, list[Linear]]:
+        return {} if self.fused else {"packed_gate_up": [self.gate_proj, self.up_proj]}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
             gate, up = self.gate_up_proj.forward_split(x)
+        elif self.packed_gate_up is not None:
+            gate, up = self.packed_gate_up(x)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(self.act(gate) * up)

@@ -23,7 +23,7 @@ from torch import nn
 from hotstart import families
 from hotstart.model.attention import AttnMetadata
 from hotstart.model.decoder import CausalLM
-from hotstart.model.layers import DecoderLayer, FusedLinear, Linear
+from hotstart.model.layers import DecoderLayer, FusedLinear, Linear, PackedGroup
 from hotstart.model_config import ModelConfig
 
 
@@ -40,12 +40,19 @@ class Expert(nn.Module):
             setattr(self, gate, Linear(hidden, inter, bias=False))
             setattr(self, up, Linear(hidden, inter, bias=False))
         setattr(self, down, Linear(inter, hidden, bias=False))
+        self.packed_gate_up: PackedGroup | None = None  # gate/up prepacked as one (fast path), unfused only
+
+    def pack_groups(self) -> dict[str, list[Linear]]:
+        gate, up, _ = self.names
+        return {} if self.fused else {"packed_gate_up": [getattr(self, gate), getattr(self, up)]}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [N, hidden] -> [N, hidden] (tensor parallel: this rank's partial sum)
         gate, up, down = self.names
         if self.fused:
             g, u = self.gate_up.forward_split(x)
+        elif self.packed_gate_up is not None:
+            g, u = self.packed_gate_up(x)
         else:
             g, u = getattr(self, gate)(x), getattr(self, up)(x)
         return getattr(self, down)(F.silu(g) * u)

@@ -271,7 +271,11 @@ class EngineSupervisor:
             loop = None
         if not wait or loop is None:
             return self.fail(what)
-        loop.call_later(EXIT_REASON_GRACE_S, lambda: self.fatal is None and not self.closing and self.fail(what))
+        loop.call_later(EXIT_REASON_GRACE_S, self._fail_if_still_running, what)
+
+    def _fail_if_still_running(self, what: str) -> None:
+        if self.fatal is None and not self.closing:
+            self.fail(what)
 
     def fail(self, message: str) -> None:
         """The engine is gone for good: requests fail, the server is told (on_fatal)."""

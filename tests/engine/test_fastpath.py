@@ -155,6 +155,32 @@ def test_packed_weights_equal_plain_in_float32_and_add_no_error_in_bfloat16(defa
     assert sum(len(t) for t in _greedy(core).values()) == 4 * 24  # and it serves
 
 
+@pytest.mark.parametrize("family", ["qwen2", "olmo2", "qwen2-moe", "phi3", "gemma2"])
+def test_sibling_projections_packed_as_one_equal_plain_in_float32(family, tiny_checkpoint):
+    """q/k/v and gate/up (experts' too) are prepacked as one stacked weight each (PackedGroup, with
+    biases: qwen2), through the families' own projections (olmo2), beside a checkpoint that ships them
+    fused already (phi3): greedy tokens identical, logits within float32 accumulation order."""
+    from hotstart.engine.fastpath import pack_model
+    from hotstart.model.layers import Linear, PackedGroup
+
+    core = _core(tiny_checkpoint(family))
+    ids = [(i * 31) % 200 + 3 for i in range(23)]
+    exact, greedy = _all_logits(core, ids), _greedy(core)
+    model = core.runner.model
+    pack_model(model)
+    groups = [g for m in model.modules() for g in vars(m).values() if isinstance(g, PackedGroup)]
+    grouped = {id(lin) for m in model.modules() if hasattr(m, "pack_groups")
+               for lins in m.pack_groups().values() for lin in lins}
+    # one q/k/v group and at least one gate/up group a layer (an MoE layer: one per expert)
+    assert len(groups) >= (0 if family == "phi3" else 2 * len(model.model.layers))
+    for m in model.model.layers.modules():  # every linear is served prepacked: alone, or in its group
+        if isinstance(m, Linear):
+            assert (m.prepacked is None) == (id(m) in grouped), m
+    assert _greedy(core) == greedy
+    packed = _all_logits(core, ids)
+    assert (packed - exact).abs().max().item() < 1e-4 * exact.abs().max().item()
+
+
 def test_auto_packs_where_it_fits_and_compiles_where_it_does_not(tiny_checkpoint, monkeypatch):
     from hotstart.engine.fastpath import plan
 

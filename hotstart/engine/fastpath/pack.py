@@ -6,20 +6,28 @@ from __future__ import annotations
 
 from hotstart.model import onednn
 from hotstart.model.decoder import CausalLM
-from hotstart.model.layers import Linear
+from hotstart.model.layers import Linear, PackedGroup
 
 LM_HEAD = -1  # pack_layer's index of the LM head
 
 
 def pack_layer(model: CausalLM, layer: int) -> None:
     """Prepack the linear weights of decoder layer LAYER (LM_HEAD: the LM head's, tied or not) once: a
-    copy each, [out, in] in oneDNN's blocked layout, that Linear.forward then multiplies with."""
+    copy each, [out, in] in oneDNN's blocked layout, that Linear.forward then multiplies with; sibling
+    projections of one input (a module's pack_groups(): q/k/v, gate/up) as one stacked copy instead."""
     if layer == LM_HEAD:
         if model.lm_head_prepacked is None:
             model.lm_head_prepacked = onednn.pack(model.output_weight())
         return
-    for m in model.model.layers[layer].modules():
-        if isinstance(m, Linear) and m.prepacked is None:
+    modules = list(model.model.layers[layer].modules())
+    in_groups: set[int] = set()
+    for m in modules:
+        for attr, linears in (m.pack_groups() if hasattr(m, "pack_groups") else {}).items():
+            if getattr(m, attr) is None:
+                setattr(m, attr, PackedGroup(linears))
+            in_groups.update(id(linear) for linear in linears)
+    for m in modules:
+        if isinstance(m, Linear) and m.prepacked is None and id(m) not in in_groups:
             m.prepacked = onednn.pack(m.weight)
 
 

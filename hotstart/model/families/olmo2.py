@@ -23,10 +23,7 @@ class Olmo2Attention(Attention):
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x: [T, hidden] -> q: [T, H, D], k, v: [T, KVH, D] (q/k normed over the projection, RoPE)."""
         t = x.shape[0]
-        if self.fused:
-            q, k, v = self.qkv_proj.forward_split(x)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self.qkv(x)
         q = self.q_norm(q).view(t, self.num_heads, self.head_dim)  # normed as [T, H * D]
         k = self.k_norm(k).view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
