@@ -173,6 +173,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     cd = torch.float32 if q.device.type == "cpu" else q.dtype
     chunks = g.chunks or [KeyChunk(bd, 0, g.bias.shape[-1], g.block_tables.flatten(), 0)]
     one = len(chunks) == 1 and chunks[0].n == bd  # every key of every sequence in one chunk
+    if one and softcap is None and cd == torch.float32:
+        return _decode_one_chunk(q, k_cache, v_cache, g, block_size, scale)
     qg = q.to(cd).view(bd, kvh, h // kvh, d).transpose(0, 1)  # [KVH, Bd, G, D]
     bias = g.bias.view(1, bd, 1, -1)
     # [KVH, Bd, G, L] float32; scores no chunk reaches stay 0 and get their -inf from the bias
@@ -194,6 +196,24 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         else:
             out[:, :c.n] += part
     return out.to(q.dtype).transpose(0, 1).reshape(bd, h, d)
+
+
+def _decode_one_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup,
+                      block_size: int, scale: float) -> torch.Tensor:
+    """decode_attention's single-gather case in float32 (short contexts, small batches: where the step
+    is mostly per-op overhead), as 3-D batched matmuls over KVH * Bd: the scale and the context bias in
+    the first (baddbmm), no broadcasting 4-D matmul. q: [Bd, H, D] -> [Bd, H, D]."""
+    bd, h, d = q.shape
+    kvh = k_cache.shape[0]
+    b, keys = kvh * bd, g.bias.shape[-1]
+    qg = q.float().view(bd, kvh, h // kvh, d).transpose(0, 1).reshape(b, h // kvh, d)  # [KVH * Bd, G, D]
+    blocks = g.block_tables.flatten()
+    k = _gather(k_cache, blocks, bd, block_size).float().view(b, keys, d)  # [KVH * Bd, L, D]
+    bias = g.bias.view(1, bd, keys).expand(kvh, bd, keys).reshape(b, 1, keys)  # [KVH * Bd, 1, L]
+    probs = torch.softmax(torch.baddbmm(bias, qg, k.transpose(1, 2), alpha=scale), dim=-1)  # [KVH * Bd, G, L]
+    v = _gather(v_cache, blocks, bd, block_size).float().view(b, keys, d)
+    out = torch.bmm(probs, v)  # [KVH * Bd, G, D]
+    return out.to(q.dtype).view(kvh, bd, h // kvh, d).transpose(0, 1).reshape(bd, h, d)
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: PrefillGroup,

@@ -19,6 +19,7 @@ import torch
 
 from hotstart import __version__
 from hotstart.diskio import home_writable
+from hotstart.model.layers import MATH_REVISION
 from hotstart.model.registry import model_class
 from hotstart.model_config import ModelConfig
 from hotstart.system import cpu_flags, hotstart_home
@@ -56,8 +57,10 @@ class LayerSpec:
 
 def cache_folder(spec: LayerSpec, dtype: torch.dtype) -> Path:
     """$HOTSTART_HOME/compile/KEY: KEY hashes what a compiled graph depends on (the layer class and shapes,
-    dtype, torch, hotstart, Python, the CPU's instruction sets); not the weights (graph inputs)."""
+    dtype, torch, hotstart, the layer math's revision, Python, the CPU's instruction sets); not the weights
+    (graph inputs)."""
     key = {"spec": spec.as_dict(), "dtype": str(dtype), "torch": torch.__version__, "hotstart": __version__,
+           "math": MATH_REVISION,
            "python": list(sys.version_info[:2]), "isa": sorted(cpu_flags() & set(ISA_FLAGS))}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return hotstart_home() / "compile" / digest
