@@ -97,3 +97,30 @@ def test_ragged_streams_decode_the_same_chunked_or_not(tiny_checkpoint, family):
         return out
 
     assert generate(24) == generate(1 << 20)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_bfloat16_decode_within_bfloat16_of_the_float32_reference(monkeypatch, native):
+    """bfloat16 caches: chunked decode multiplies in bfloat16 where the CPU has a bfloat16 dot product
+    (`native`, forced here either way: both run on any host), else upcast to float32; one gather is
+    always upcast. Either way within bfloat16's precision of the float32 reference on the same values."""
+    from hotstart.model import attention
+
+    monkeypatch.setattr(attention, "_bf16_dot", lambda: native)
+    kvh, groups, head_dim, bs = 2, 3, 64, 8
+    contexts = [90, 41, 7, 66]
+    tables, start = [], 1
+    for c in contexts:
+        tables.append(list(range(start, start + -(-c // bs))))
+        start += -(-c // bs)
+    g = torch.Generator().manual_seed(3)
+    k_cache = torch.randn(kvh, start * bs, head_dim, generator=g).bfloat16()
+    v_cache = torch.randn(kvh, start * bs, head_dim, generator=g).bfloat16()
+    q = torch.randn(len(contexts), kvh * groups, head_dim, generator=g).bfloat16()
+    want = _reference(q.float(), k_cache.float(), v_cache.float(), tables, contexts, bs, None, None)
+    for rows in (1 << 20, 3 * bs):  # one gather, then chunks
+        group = DecodeGroup.build(tables, contexts, None, bs, torch.device("cpu"), rows)
+        meta = AttnMetadata(torch.zeros(len(contexts), dtype=torch.long), bs, group, None)
+        got = paged_attention(q, k_cache, v_cache, meta, SCALE)
+        assert got.dtype == torch.bfloat16
+        assert torch.allclose(got.float(), want, atol=3e-2, rtol=0), (rows, (got.float() - want).abs().max())
