@@ -16,8 +16,9 @@ def _add_step(bsub) -> None:
         "step", help="the decode step in one EngineCore: profile, sampler cost, grammar cost",
         description="One EngineCore (no HTTP), built once for MODEL, dtype, fast path and batch; then the "
                     "parts: profile (ms per decode step, the torch op table, tokens/s and the roofline "
-                    "fraction), sampling (plain vs penalties vs logit_bias + min_p, interleaved rounds) and "
-                    "grammar (unconstrained vs a JSON-schema grammar on every stream). A timing: run it "
+                    "fraction), sampling (plain vs penalties vs logit_bias + min_p, interleaved rounds), "
+                    "grammar (unconstrained vs a JSON-schema grammar on every stream) and blocks (wall "
+                    "time per decoder block without the profiler; not in the default). A timing: run it "
                     "alone.")
     p.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
     p.add_argument("--parts", default="profile,sampling,grammar", help="which, in order (comma-separated)")

@@ -16,7 +16,7 @@ from pathlib import Path
 from hotstart.bench import roofline
 from hotstart.errors import HotstartError
 
-PARTS = ("profile", "sampling", "grammar")
+PARTS = ("profile", "sampling", "grammar", "blocks")
 
 
 def _parts(value: str) -> list[str]:
@@ -46,6 +46,10 @@ def report(res: dict) -> list[str]:
                   "| kind | ms per decode step (median) | min | x plain |", "|---|---:|---:|---:|"]
         lines += [f"| {k} | {v['step_ms_median']:.2f} | {v['step_ms_min']:.2f} | {v['x_plain']:.3f} |"
                   for k, v in s["kinds"].items()]
+    if b := res.get("blocks"):
+        lines += ["", f"blocks: {b['streams']} streams x {b['context']}-token context, {b['steps']} steps, "
+                      "wall time per decode step (no profiler)", "| block | ms per step |", "|---|---:|"]
+        lines += [f"| {r['block']} | {r['ms_per_step']:.2f} |" for r in b["rows"]]
     if g := res.get("grammar"):
         lines += ["", f"grammar: {g['streams']} streams, {g['rounds']} rounds x {g['steps']} steps",
                   "| ms per decode step | median | min |", "|---|---:|---:|",
@@ -82,6 +86,8 @@ def run_step_bench(args) -> int:
                                                        args.context + 5 + args.steps / 2,
                                                        bw and bw["bandwidth_gbs"])
             res["profile"] = p
+        elif part == "blocks":
+            res["blocks"] = step_parts.blocks(bc, args.streams, args.context, args.steps)
         elif part == "sampling":
             res["sampling"] = step_parts.sampling(bc, args.streams, args.context, args.steps, args.rounds)
         else:

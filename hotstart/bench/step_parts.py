@@ -8,6 +8,11 @@ sampling  what the general sampler costs: the same decode with plain sampling, w
           with logit_bias + min_p + min_tokens (temperature 0.8, seeded), interleaved rounds, medians
 grammar   what constrained decoding costs: all streams unconstrained vs all under a JSON-schema
           grammar (llguidance), alternating rounds, full decode steps only, medians and minima
+blocks    where a decode step's time goes without the profiler: wall time around each block of every
+          decoder layer (CPU ops are synchronous, so a call's wall time is its cost; each wrapper adds
+          ~1 us), by the layer's own split (attn_inputs: norm, q/k/v, RoPE; attend: KV write and
+          paged attention; finish: o_proj, MLP, norms), the LM head, the model's forward and the step
+          around it (metadata, sampling, scheduling); every family has these methods
 """
 
 from __future__ import annotations
@@ -109,3 +114,55 @@ def grammar(bc: BenchCore, streams: int, context: int, steps: int, rounds: int) 
             "constrained_step_ms": {"median": med(constrained) * 1e3, "min": min(constrained) * 1e3},
             "overhead_pct_median": 100 * (med(constrained) - med(plain)) / med(plain),
             "overhead_pct_min": 100 * (min(constrained) - min(plain)) / min(plain)}
+
+
+# block label -> (what to wrap, the attribute); wrapped on the instances, so nothing else sees them
+def _block_targets(core) -> list[tuple[str, object, str]]:
+    model = core.runner.model
+    targets = [("step (all)", core, "step"), ("runner forward (metadata, model, logits, sampling)",
+                                               core.runner, "forward"),
+               ("model forward (embedding, layers, final norm)", model, "forward"),
+               ("LM head", model, "compute_logits")]
+    for layer in model.model.layers:
+        targets += [("layer: norm + q/k/v + RoPE (attn_inputs)", layer, "attn_inputs"),
+                    ("layer: KV write + attention (attend)", layer.self_attn, "attend"),
+                    ("layer: o_proj + MLP + norms (finish)", layer, "finish"),
+                    ("  of which o_proj", layer.self_attn.o_proj, "forward")]
+        ffn = layer.ffn() if hasattr(layer, "ffn") else getattr(layer, "mlp", None)
+        if ffn is not None:
+            targets.append(("  of which the MLP (or experts)", ffn, "forward"))
+    return targets
+
+
+def blocks(bc: BenchCore, streams: int, context: int, steps: int) -> dict:
+    import time
+
+    core = bc.core
+    start_batch(core, "blocks", streams, context, _params(steps + 16, temperature=0.0))
+    timed_steps(core, 5)
+    total: dict[str, float] = {}
+    wrapped = []
+
+    def wrap(label: str, obj, name: str) -> None:
+        inner = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                total[label] = total.get(label, 0.0) + time.perf_counter() - t
+
+        setattr(obj, name, timed)
+        wrapped.append((obj, name))
+
+    for label, obj, name in _block_targets(core):
+        wrap(label, obj, name)
+    try:
+        timed_steps(core, steps)
+    finally:
+        for obj, name in wrapped:
+            delattr(obj, name)  # the class's method again
+        drain(core)
+    rows = [{"block": k, "ms_per_step": v * 1e3 / steps} for k, v in total.items()]
+    return {"streams": streams, "context": context, "steps": steps, "rows": rows}

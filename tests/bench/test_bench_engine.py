@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+import pytest
 from util import REPO, run_session
 
 
@@ -19,6 +20,7 @@ def test_step_all_parts_on_one_core(tmp_path, default_model_dir):
     out = tmp_path / "step.json"
     res = hotstart_bench("step", [str(default_model_dir), "--fast-path", "packed", "--streams", "2",
                                   "--context", "8", "--steps", "2", "--rounds", "1", "--top", "4",
+                                  "--parts", "profile,sampling,grammar,blocks",
                                   "--bandwidth", "10", "--json", str(out)])
     assert res.returncode == 0, res.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -33,12 +35,37 @@ def test_step_all_parts_on_one_core(tmp_path, default_model_dir):
     assert data["sampling"]["kinds"]["plain"]["x_plain"] == 1
     assert data["grammar"]["constrained_step_ms"]["median"] > 0
     assert "| op | calls/step | self ms/step | share |" in res.stdout and "x plain" in res.stdout
+    blocks = {r["block"] for r in data["blocks"]["rows"]}
+    assert blocks >= {"step (all)", "LM head", "layer: KV write + attention (attend)"}
+    assert "| block | ms per step |" in res.stdout
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2-moe", "olmo2"])
+def test_blocks_nest_and_leave_nothing_wrapped(tiny_checkpoint, family):
+    """`--parts blocks` in the process: every block timed, the parts within their wholes, and the
+    engine's methods its own again afterwards (the wrappers live on instances only)."""
+    from hotstart.bench import step_parts
+    from hotstart.bench.engine_setup import build_core
+
+    bc = build_core(str(tiny_checkpoint(family)), "float32", "packed", batch=3, max_model_len=128)
+    res = step_parts.blocks(bc, streams=3, context=9, steps=4)
+    ms = {r["block"]: r["ms_per_step"] for r in res["rows"]}
+    assert all(v > 0 for v in ms.values()) and len(ms) == 9, ms
+    layers = sum(v for k, v in ms.items() if k.startswith("layer:"))
+    assert ms["step (all)"] >= ms["runner forward (metadata, model, logits, sampling)"] >= (
+        ms["model forward (embedding, layers, final norm)"]) >= layers
+    assert ms["layer: o_proj + MLP + norms (finish)"] >= ms["  of which the MLP (or experts)"]
+    core = bc.core
+    objs = [core, core.runner, core.runner.model, *core.runner.model.model.layers]
+    objs += [m for layer in core.runner.model.model.layers for m in layer.modules()]
+    assert not any(name in vars(o) for o in objs for name in ("step", "forward", "attn_inputs", "attend",
+                                                               "finish", "compute_logits"))
 
 
 def test_step_bad_parts_is_a_one_line_error():
     res = hotstart_bench("step", ["--parts", "profile,nope"], timeout=60)
-    assert res.returncode == 2 and res.stderr.strip() == (
-        "hotstart: error: --parts 'profile,nope': give some of profile, sampling, grammar"), res.stderr
+    want = "hotstart: error: --parts 'profile,nope': give some of profile, sampling, grammar, blocks"
+    assert res.returncode == 2 and res.stderr.strip() == want, res.stderr
 
 
 def test_roofline_measures_saves_and_converts(tmp_path, default_model_dir):
