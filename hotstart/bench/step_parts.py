@@ -164,5 +164,6 @@ def blocks(bc: BenchCore, streams: int, context: int, steps: int) -> dict:
         for obj, name in wrapped:
             delattr(obj, name)  # the class's method again
         drain(core)
-    rows = [{"block": k, "ms_per_step": v * 1e3 / steps} for k, v in total.items()]
+    order = list(dict.fromkeys(label for label, _, _ in _block_targets(core)))
+    rows = [{"block": k, "ms_per_step": total[k] * 1e3 / steps} for k in order if k in total]
     return {"streams": streams, "context": context, "steps": steps, "rows": rows}
