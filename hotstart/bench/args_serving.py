@@ -15,7 +15,8 @@ MODEL_HELP = "model folder or hub id (default: the embedded model)"
 def _quiet(p, max_load: float) -> None:
     p.add_argument("--max-load", type=float, default=max_load,
                    help="wait for the 1-minute load average below this")
-    p.add_argument("--max-wait", type=float, default=600, help="longest wait for a quiet machine (s)")
+    p.add_argument("--max-wait", type=float, default=600,
+                   help="longest wait for a quiet machine (s; 0: no wait)")
 
 
 def _add_serve(bsub) -> None:
@@ -236,7 +237,8 @@ def _add_prefix_cache(bsub) -> None:
                    help="words in turn 1's user message (~1.4 tokens each)")
     p.add_argument("--max-load", type=float, default=100.0,
                    help="wait for the 1-minute load average below this")
-    p.add_argument("--max-wait", type=float, default=600, help="longest wait for a quiet machine (s)")
+    p.add_argument("--max-wait", type=float, default=600,
+                   help="longest wait for a quiet machine (s; 0: no wait)")
     p.add_argument("--out", default=None, help="write the results as JSON")
 
 

@@ -77,7 +77,10 @@ class CpuNoise:
 
 async def wait_idle(pid: int | None, max_cores: float, max_wait: float, window: float = 2.0) -> float:
     """Wait until processes other than ours use at most max_cores over a `window`-second sample (the
-    load average lags by a minute); give up after max_wait. Returns the seconds waited."""
+    load average lags by a minute); give up after max_wait (<= 0: no wait, not even one sample). Returns
+    the seconds waited."""
+    if max_wait <= 0:
+        return 0.0
     t0 = time.monotonic()
     announced = False
     while True:
