@@ -84,7 +84,12 @@ def terminate_then_kill(targets: Iterable[subprocess.Popen | int], grace: float,
     return True
 
 
+_exit_signal: int | None = None  # the signal _raise_exit saw, in case its SystemExit was swallowed
+
+
 def _raise_exit(signum, frame):  # noqa: ARG001
+    global _exit_signal
+    _exit_signal = signum
     raise SystemExit(128 + signum)
 
 
@@ -92,3 +97,10 @@ def exit_on_sigterm() -> None:
     """Until an event loop takes over: SIGTERM unwinds through `finally` blocks, which stop the
     forkserver and remove temporary folders (the default action would just vanish)."""
     signal.signal(signal.SIGTERM, _raise_exit)
+
+
+def exit_requested() -> int | None:
+    """A signal exit_on_sigterm's handler took whose SystemExit may never have unwound: raised while
+    Python ran an importlib lock callback or a finaliser, it is only printed ("Exception ignored in")
+    and startup carries on. Whoever takes the signals over next acts on it (server/launch.py)."""
+    return _exit_signal

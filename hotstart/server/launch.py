@@ -297,6 +297,11 @@ async def _serve(app, sock: socket.socket, client, cfg: ServeConfig, prefetcher=
     shutdown = Shutdown(server, client, getattr(app.state, "drain", None), cfg.shutdown_timeout)
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, shutdown.on_signal, sig)
+    from hotstart.procs import exit_requested  # noqa: PLC0415 - loaded already (cli.py)
+
+    if (early := exit_requested()) is not None:  # a SIGTERM during startup that an import swallowed
+        log.info("hotstart: signal %d arrived while starting: stopping", early)
+        shutdown.on_signal(early)
 
     def on_fatal(message: str) -> None:  # noqa: ARG001 - printed once, after shutdown
         server.should_exit = True
