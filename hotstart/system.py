@@ -34,3 +34,15 @@ def cpu_flags() -> frozenset[str]:
     except OSError:
         return frozenset()
     return frozenset(line.partition(":")[2].split())
+
+
+def native_cpu_dtypes() -> set[str]:
+    """The half-precision dtypes this CPU multiplies natively (bf16: AVX512-BF16 or AMX; fp16: AVX512-FP16
+    or AMX-FP16), by torch's names."""
+    flags = cpu_flags()
+    native = set()
+    if "avx512_bf16" in flags or "amx_bf16" in flags:
+        native.add("bfloat16")
+    if "avx512_fp16" in flags or "amx_fp16" in flags:
+        native.add("float16")
+    return native

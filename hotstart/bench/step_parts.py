@@ -156,7 +156,8 @@ def blocks(bc: BenchCore, streams: int, context: int, steps: int) -> dict:
         setattr(obj, name, timed)
         wrapped.append((obj, name))
 
-    for label, obj, name in _block_targets(core):
+    targets = _block_targets(core)
+    for label, obj, name in targets:
         wrap(label, obj, name)
     try:
         timed_steps(core, steps)
@@ -164,6 +165,6 @@ def blocks(bc: BenchCore, streams: int, context: int, steps: int) -> dict:
         for obj, name in wrapped:
             delattr(obj, name)  # the class's method again
         drain(core)
-    order = list(dict.fromkeys(label for label, _, _ in _block_targets(core)))
+    order = list(dict.fromkeys(label for label, _, _ in targets))
     rows = [{"block": k, "ms_per_step": total[k] * 1e3 / steps} for k in order if k in total]
     return {"streams": streams, "context": context, "steps": steps, "rows": rows}

@@ -10,7 +10,7 @@ import torch
 from hotstart.config import EngineConfig, ModelConfig
 from hotstart.engine.block_manager import blocks_for
 from hotstart.errors import HotstartError
-from hotstart.system import cpu_flags, mem_available
+from hotstart.system import mem_available, native_cpu_dtypes
 
 CPU_KV_CACHE_CAP = 4 << 30  # the CPU KV cache where MemAvailable is unknown
 CPU_KV_MEMORY_FRACTION = 0.5  # of what MemAvailable leaves beside the weights (activations, other processes)
@@ -33,23 +33,13 @@ def resolve_placement(cfg: EngineConfig, model_cfg: ModelConfig) -> Placement:
         # The checkpoint's own dtype wherever the hardware computes it natively: then CPU weights are
         # zero-copy views of the page cache. Else float32.
         name = model_cfg.torch_dtype
-        if device.type == "cpu" and name != "float32" and name not in _native_cpu_dtypes():
+        if device.type == "cpu" and name != "float32" and name not in native_cpu_dtypes():
             name = "float32"
     else:
         name = cfg.dtype
     if name not in ("float32", "float16", "bfloat16"):
         raise HotstartError(f"--dtype {name}: expected auto, bfloat16, float16 or float32")
     return Placement(device, getattr(torch, name))
-
-
-def _native_cpu_dtypes() -> set[str]:
-    flags = cpu_flags()
-    native = set()
-    if "avx512_bf16" in flags or "amx_bf16" in flags:
-        native.add("bfloat16")
-    if "avx512_fp16" in flags or "amx_fp16" in flags:
-        native.add("float16")
-    return native
 
 
 def max_model_len_for(cfg: EngineConfig, model_cfg: ModelConfig) -> int:

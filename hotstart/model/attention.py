@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
-from hotstart.system import cpu_flags
+from hotstart.system import native_cpu_dtypes
 
 # Bytes of K (or V) one decode chunk gathers at most, as float32 (model/attention.py docstring): 1.5 MiB,
 # 2,048 keys x sequences of SmolLM2-135M (3 KV heads of 64). Chosen by benchmarks/paged_attention.py on
@@ -162,8 +162,8 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, n: int, block_size: int) 
 
 @functools.cache
 def _bf16_dot() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX)."""
-    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    """Whether this CPU multiplies bfloat16 natively (read once: the decode path asks every layer)."""
+    return "bfloat16" in native_cpu_dtypes()
 
 
 def _cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
@@ -188,7 +188,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if q.device.type == "cpu" and (one or q.dtype != torch.bfloat16 or not _bf16_dot()):
         cd = torch.float32
     if one and softcap is None and cd == torch.float32:
-        return _decode_one_chunk(q, k_cache, v_cache, g, block_size, scale)
+        return _decode_one_chunk(q, k_cache, v_cache, g, chunks[0].blocks, block_size, scale)
     qg = q.to(cd).view(bd, kvh, h // kvh, d).transpose(0, 1)  # [KVH, Bd, G, D]
     bias = g.bias.view(1, bd, 1, -1)
     # [KVH, Bd, G, L] float32; scores no chunk reaches stay 0 and get their -inf from the bias
@@ -213,15 +213,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def _decode_one_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup,
-                      block_size: int, scale: float) -> torch.Tensor:
+                      blocks: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
     """decode_attention's single-gather case in float32 (short contexts, small batches: where the step
     is mostly per-op overhead), as 3-D batched matmuls over KVH * Bd: the scale and the context bias in
-    the first (baddbmm), no broadcasting 4-D matmul. q: [Bd, H, D] -> [Bd, H, D]."""
+    the first (baddbmm), no broadcasting 4-D matmul. q: [Bd, H, D], blocks: the chunk's, every sequence's
+    in turn -> [Bd, H, D]."""
     bd, h, d = q.shape
     kvh = k_cache.shape[0]
     b, keys = kvh * bd, g.bias.shape[-1]
     qg = q.float().view(bd, kvh, h // kvh, d).transpose(0, 1).reshape(b, h // kvh, d)  # [KVH * Bd, G, D]
-    blocks = g.block_tables.flatten()
     k = _gather(k_cache, blocks, bd, block_size).float().view(b, keys, d)  # [KVH * Bd, L, D]
     bias = g.bias.view(1, bd, keys).expand(kvh, bd, keys).reshape(b, 1, keys)  # [KVH * Bd, 1, L]
     probs = torch.softmax(torch.baddbmm(bias, qg, k.transpose(1, 2), alpha=scale), dim=-1)  # [KVH * Bd, G, L]
