@@ -55,7 +55,9 @@ def build_core(model: str | None, dtype: str = "auto", fast_path: str = "off", b
 
 def _pack(core) -> float:
     from hotstart.engine.fastpath import pack_model
-    from hotstart.model import onednn
+    from hotstart.engine.fastpath.pack import attach_gemv
+    from hotstart.engine.fastpath.plan import gemv_plan
+    from hotstart.model import gemv, onednn
 
     p = core.placement
     if not onednn.available(p.device, p.dtype):
@@ -63,6 +65,9 @@ def _pack(core) -> float:
                             f"{p.device}")
     t = time.perf_counter()
     pack_model(core.runner.model)  # the engine's own loop (engine/fastpath/pack.py)
+    if not gemv_plan(core):  # the small-batch kernel where the engine runs it (not: HOTSTART_GEMV=off)
+        gemv.load(gemv.build())
+        attach_gemv(core.runner.model)
     return time.perf_counter() - t
 
 

@@ -4,7 +4,7 @@ step bench (bench/engine_setup.py)."""
 
 from __future__ import annotations
 
-from hotstart.model import onednn
+from hotstart.model import gemv, onednn
 from hotstart.model.decoder import CausalLM
 from hotstart.model.layers import Linear, PackedGroup
 
@@ -42,3 +42,28 @@ def prepacked_bytes(model: CausalLM) -> int:
     """What the prepacked copies take: the size of every decoder layer's linear weights and the LM head's."""
     linears = sum(m.weight.nbytes for m in model.model.layers.modules() if isinstance(m, Linear))
     return linears + model.output_weight().nbytes
+
+
+def attach_gemv(model: CausalLM) -> int:
+    """Let the small-batch kernel (model/gemv.py, loaded) run every linear layer's and the LM head's
+    steps of few tokens, over their own weights: a PackedGroup's projections as one call, the other
+    linears one each (a weight the kernel cannot read, e.g. with strided rows, keeps oneDNN). Returns how
+    many modules it serves."""
+    calls = 0
+    in_groups: set[int] = set()
+    modules = list(model.model.layers.modules())
+    for m in modules:
+        for attr, linears in (m.pack_groups() if hasattr(m, "pack_groups") else {}).items():
+            group = getattr(m, attr)
+            if group is not None and all(lin.weight.stride(-1) == 1 for lin in linears):
+                group.gemv = gemv.Segments([lin.weight for lin in linears], [lin.bias for lin in linears])
+                in_groups.update(id(lin) for lin in linears)
+                calls += 1
+    for m in modules:
+        if isinstance(m, Linear) and id(m) not in in_groups and m.weight.stride(-1) == 1:
+            m.gemv = gemv.Segments([m.weight], [m.bias])
+            calls += 1
+    if model.output_weight().stride(-1) == 1:
+        model.lm_head_gemv = gemv.Segments([model.output_weight()], [None])
+        calls += 1
+    return calls

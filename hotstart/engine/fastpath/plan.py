@@ -12,7 +12,7 @@ import shutil
 
 from hotstart.engine.fastpath.pack import prepacked_bytes
 from hotstart.messages import FastPathState as S
-from hotstart.model import onednn
+from hotstart.model import gemv, onednn
 from hotstart.system import mem_available
 
 PACK_RAM_FRACTION = 0.5  # prepack only if the copies take at most this share of MemAvailable
@@ -53,3 +53,18 @@ def compile_plan(core, mode: str, packing: bool) -> tuple[S, str]:
     if shutil.which(cxx) is None:
         return S.OFF, f"no C++ compiler ({cxx}) found"
     return S.PLANNED, ""
+
+
+def gemv_plan(core) -> str:
+    """Why the small-batch kernel (model/gemv.py) does not run on this engine; "" when it does (built
+    first if this host has not built it yet). It comes with the prepacked weights (packing PLANNED)."""
+    p = core.placement
+    if os.environ.get("HOTSTART_GEMV", "").lower() in ("0", "off", "false", "no"):
+        return "HOTSTART_GEMV=off"
+    if not gemv.supported(p.dtype, p.device):
+        return f"no kernel for {p.device.type} {str(p.dtype)[6:]} on this CPU"
+    if core.executor.world_size > 1:
+        return "tensor parallel"
+    if gemv.compiler() is None:
+        return f"no C++ compiler ({os.environ.get('CXX', 'g++')}) found"
+    return ""

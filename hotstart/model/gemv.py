@@ -1,0 +1,149 @@
+"""Small-batch linear layers on CPU: hotstart's own kernel (kernels/gemv.cpp) for steps of at most
+MAX_ROWS tokens, where oneDNN's prepacked kernels read the weights at about half the memory bandwidth.
+
+Decode at one stream is bound by the weight read. Measured on the 2-vCPU AVX512-BF16 EPYC (one process,
+alternating rounds, the default model's 30 layers of shapes + its LM head, bf16): oneDNN prepacked 22-29
+ms per step of weights, this kernel 10.5-17 ms at one row (a sum of the same bytes: 9.6-12 ms); 2x at
+two rows, 1.4x at three, even at four, slower from eight on (it multiplies row by row: compute-bound
+there). So steps of more than MAX_ROWS tokens keep oneDNN.
+
+The kernel reads the checkpoint's own [out, in] weights (no copy): sibling projections (q/k/v, gate/up)
+go in one call as segments, side by side in the output, as PackedGroup's stacked oneDNN weight does.
+
+Built once per source, compiler and host by `g++ -O3 -fopenmp -shared` (~1 s) into
+$HOTSTART_HOME/kernels/, in a child process behind READY (engine/fastpath/builder.py), and loaded with
+ctypes: no torch headers, no inductor. Its OpenMP runtime is the one torch has loaded (same soname), so
+it runs on torch's threads. float32 results equal F.linear's up to accumulation order; bfloat16 ones
+within bf16's own error of the float32 model (tests/model/test_gemv.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+from hotstart.system import cpu_flags, hotstart_home
+
+SOURCE = Path(__file__).with_name("kernels") / "gemv.cpp"
+MAX_ROWS = 3  # tokens per step up to which the kernel runs (measured above)
+_DTYPE_CODES = {torch.bfloat16: 1, torch.float32: 2}
+_NEEDS = {torch.bfloat16: ("avx512f", "avx512bw", "avx512_bf16"), torch.float32: ("avx2", "fma")}
+
+_lib: ctypes.CDLL | None = None
+_fn = None
+_traced = False  # calls show in torch's profiler (a ctypes call is no torch op): the step bench's profile
+
+
+def trace(on: bool) -> None:
+    global _traced
+    _traced = on
+
+
+def supported(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
+    """Whether this host runs the kernel for DTYPE (the CPU's instruction sets; x86-64 only)."""
+    flags = cpu_flags()
+    return torch.device(device).type == "cpu" and dtype in _NEEDS and all(f in flags for f in _NEEDS[dtype])
+
+
+def compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
+def library_path() -> Path:
+    """Where this source, compiled by this compiler for this host, lives (a new key rebuilds it)."""
+    cxx = compiler() or "none"
+    key = hashlib.sha256(SOURCE.read_bytes())
+    key.update(cxx.encode())
+    key.update(" ".join(sorted(cpu_flags())).encode())
+    return hotstart_home() / "kernels" / f"gemv-{key.hexdigest()[:16]}.so"
+
+
+def build_command(out: Path) -> list[str]:
+    """g++ writing the library to OUT (a temporary name: the caller renames it into place)."""
+    return [compiler() or "g++", "-O3", "-fopenmp", "-shared", "-fPIC", "-o", str(out), str(SOURCE)]
+
+
+def build(timeout_s: float = 120.0) -> Path:
+    """Build the library now if it is not built (the step bench, tests); the engine builds it in a
+    child process instead (engine/fastpath/builder.py). Raises RuntimeError with the compiler's words."""
+    path = library_path()
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        done = subprocess.run(build_command(tmp), capture_output=True, text=True, timeout=timeout_s,
+                              stdin=subprocess.DEVNULL)
+        if done.returncode != 0:
+            raise RuntimeError(f"g++ failed: {done.stderr.strip()[-500:]}")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def load(path: Path | str) -> None:
+    """Load a built library (after torch: its OpenMP runtime is then torch's own)."""
+    global _lib, _fn
+    lib = ctypes.CDLL(str(path))
+    if lib.hs_gemv_abi() != 1:
+        raise RuntimeError(f"{path}: unknown kernel ABI")
+    fn = lib.hs_gemv
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_int64, ctypes.c_int]
+    _lib, _fn = lib, fn
+
+
+def loaded() -> bool:
+    return _fn is not None
+
+
+class Segments:
+    """The [out_i, in] weights (and biases) one call multiplies, side by side in its output: built once
+    per module (the pointer arrays are the call's arguments; the tensors are kept alive here)."""
+
+    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None]):
+        w0 = weights[0]
+        for w in weights:
+            if w.dtype != w0.dtype or w.dim() != 2 or w.shape[1] != w0.shape[1] or w.stride(1) != 1:
+                raise ValueError("gemv segments: 2-D weights of one dtype and width, rows contiguous")
+        self.weights, self.dtype, self.k = weights, w0.dtype, w0.shape[1]
+        self.code = _DTYPE_CODES[w0.dtype]
+        self.n = sum(w.shape[0] for w in weights)
+        count = len(weights)
+        self.biases = [None if b is None else b.to(w0.dtype).contiguous() for b in biases]
+        self._ws = (ctypes.c_void_p * count)(*[w.data_ptr() for w in weights])
+        self._lds = (ctypes.c_int64 * count)(*[w.stride(0) for w in weights])
+        self._ns = (ctypes.c_int64 * count)(*[w.shape[0] for w in weights])
+        self._bs = None
+        if any(b is not None for b in self.biases):
+            self._bs = (ctypes.c_void_p * count)(*[0 if b is None else b.data_ptr() for b in self.biases])
+        self._count = count
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        # x: [M, in] -> [M, sum of outs] in OUT_DTYPE (the weights' by default; float32 for logits)
+        if _traced:
+            with torch.profiler.record_function("hotstart::gemv_linear"):
+                return self._run(x, out_dtype)
+        return self._run(x, out_dtype)
+
+    def _run(self, x: torch.Tensor, out_dtype: torch.dtype | None) -> torch.Tensor:
+        if x.dtype != self.dtype:
+            x = x.to(self.dtype)
+        if not x.is_contiguous():
+            x = x.contiguous()
+        out_dtype = out_dtype or self.dtype
+        out = torch.empty(x.shape[0], self.n, dtype=out_dtype)
+        rc = _fn(self.code, x.data_ptr(), x.shape[0], self.k, self._count, self._ws, self._lds, self._ns,
+                 self._bs, out.data_ptr(), self.n, int(out_dtype == torch.float32))
+        if rc != 0:
+            raise RuntimeError("gemv kernel refused its arguments")
+        return out
