@@ -102,7 +102,8 @@ STARTERS = re.compile(
 )
 
 
-AUTOUSE = {"private_runtime_dir", "no_background_compiles", "fast_tier_starts_no_process"}
+AUTOUSE = {"private_runtime_dir", "no_background_compiles", "fast_tier_starts_no_process",
+           "torch_decode_attention_after_each_test"}
 
 
 _STARTS: dict[int, bool] = {}  # id(test-local function or class) -> whether it starts a process
@@ -146,6 +147,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("e2e") is None and starts_processes(item):
             item.add_marker(pytest.mark.e2e)
+
+
+@pytest.fixture(autouse=True)
+def torch_decode_attention_after_each_test():
+    """A test that enables the paged decode kernel (a process-wide switch, hotstart/model/cpu_kernels.py:
+    the engine's fast path turns it on) leaves the next test in this process on the torch path."""
+    yield
+    from hotstart.model import cpu_kernels
+
+    cpu_kernels.enable_attention(False)
 
 
 @pytest.fixture(autouse=True)

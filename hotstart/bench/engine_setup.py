@@ -56,8 +56,8 @@ def build_core(model: str | None, dtype: str = "auto", fast_path: str = "off", b
 def _pack(core) -> float:
     from hotstart.engine.fastpath import pack_model
     from hotstart.engine.fastpath.pack import attach_gemv
-    from hotstart.engine.fastpath.plan import gemv_plan
-    from hotstart.model import gemv, onednn
+    from hotstart.engine.fastpath.plan import kernel_plans
+    from hotstart.model import cpu_kernels, onednn
 
     p = core.placement
     if not onednn.available(p.device, p.dtype):
@@ -65,9 +65,12 @@ def _pack(core) -> float:
                             f"{p.device}")
     t = time.perf_counter()
     pack_model(core.runner.model)  # the engine's own loop (engine/fastpath/pack.py)
-    if not gemv_plan(core):  # the small-batch kernel where the engine runs it (not: HOTSTART_GEMV=off)
-        gemv.load(gemv.build())
+    gemv_why, attention_why = kernel_plans(core)  # the CPU kernels where the engine runs them
+    if not gemv_why or not attention_why:
+        cpu_kernels.load(cpu_kernels.build())
+    if not gemv_why:
         attach_gemv(core.runner.model)
+    cpu_kernels.enable_attention(not attention_why)
     return time.perf_counter() - t
 
 

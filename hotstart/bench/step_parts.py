@@ -55,18 +55,18 @@ def profile(bc: BenchCore, streams: int, context: int, steps: int, top: int) -> 
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from hotstart.model import gemv
+    from hotstart.model import cpu_kernels
 
     core = bc.core
     start_batch(core, "profile", streams, context, _params(2 * steps + 16, temperature=0.0))
     timed_steps(core, 5)  # first-use costs out of the way
     wall = statistics.median(timed_steps(core, steps))
-    gemv.trace(True)  # the small-batch kernel is a ctypes call: named for the profiler while it records
+    cpu_kernels.trace(True)  # the CPU kernels are ctypes calls: named for the profiler while it records
     try:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             profiled = timed_steps(core, steps)
     finally:
-        gemv.trace(False)
+        cpu_kernels.trace(False)
     drain(core)
     rows = [{"op": e.key, "calls_per_step": e.count / steps,
              "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps} for e in prof.key_averages()]

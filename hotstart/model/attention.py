@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
+from hotstart.model import cpu_kernels
 from hotstart.system import native_cpu_dtypes
 
 # Bytes of K (or V) one decode chunk gathers at most, as float32 (model/attention.py docstring): 1.5 MiB,
@@ -172,9 +173,16 @@ def _cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup,
-                     block_size: int, scale: float, softcap: float | None = None) -> torch.Tensor:
+                     block_size: int, scale: float, softcap: float | None = None,
+                     window: int | None = None) -> torch.Tensor:
     # q: [Bd, H, D] (the group's order) -> [Bd, H, D]; grouped-query: H = KVH * G, query heads of one KV
-    # head adjacent
+    # head adjacent. g's bias and chunks already carry WINDOW (AttnMetadata.window); the CPU kernel
+    # (model/cpu_kernels.py: reads the blocks in place, where it is enabled) takes it as a number.
+    if q.device.type == "cpu" and g.context is not None:
+        out = cpu_kernels.decode_attention(q, k_cache, v_cache, g.block_tables, g.context, block_size, scale,
+                                           softcap, window)
+        if out is not None:
+            return out
     bd, h, d = q.shape
     kvh = k_cache.shape[0]
     chunks = g.chunks or [KeyChunk(bd, 0, g.bias.shape[-1], g.block_tables.flatten(), 0)]
@@ -255,12 +263,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     meta = meta.window(window)
     d, p, block_size = meta.decode, meta.prefill, meta.block_size
     if p is None and d.tokens is None:
-        return decode_attention(q, k_cache, v_cache, d, block_size, scale, softcap)
+        return decode_attention(q, k_cache, v_cache, d, block_size, scale, softcap, window)
     if d is None and p.tokens is None:
         return prefill_attention(q, k_cache, v_cache, p, block_size, scale, softcap)
     out = torch.empty_like(q)  # a group's tokens are None only when it holds all T tokens, in order
     if d is not None:
-        out[d.tokens] = decode_attention(q[d.tokens], k_cache, v_cache, d, block_size, scale, softcap)
+        out[d.tokens] = decode_attention(q[d.tokens], k_cache, v_cache, d, block_size, scale, softcap, window)
     if p is not None:
         out[p.tokens] = prefill_attention(q[p.tokens], k_cache, v_cache, p, block_size, scale, softcap)
     return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hotstart.model import gemv, onednn
+from hotstart.model import cpu_kernels, onednn
 from hotstart.model.attention import AttnMetadata
 from hotstart.model.layers import DecoderLayer, Embedding, Linear, RMSNorm, RotaryEmbedding
 from hotstart.model_config import ModelConfig
@@ -54,7 +54,7 @@ class CausalLM(nn.Module):
         self.lm_head = None if tied else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # oneDNN layout of output_weight(), set between steps (engine/fastpath/pack.py)
         self.lm_head_prepacked: torch.Tensor | None = None
-        self.lm_head_gemv: gemv.Segments | None = None  # the small-batch kernel over output_weight()
+        self.lm_head_gemv: cpu_kernels.Segments | None = None  # the small-batch kernel over output_weight()
         self.tp = None  # parallel.TensorParallel: this model is one rank's part (set by parallel.shard)
 
     def post_load(self, device: torch.device, dtype: torch.dtype) -> None:
@@ -83,7 +83,7 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         # hidden: [N, hidden] -> logits: [N, vocab] float32 (tensor parallel: gathered on rank 0, else None)
-        if self.lm_head_gemv is not None and hidden.shape[0] <= gemv.MAX_ROWS:
+        if self.lm_head_gemv is not None and hidden.shape[0] <= cpu_kernels.MAX_ROWS:
             logits = self.lm_head_gemv(hidden, torch.float32)
         elif self.lm_head_prepacked is not None:
             logits = onednn.linear(hidden, self.lm_head_prepacked, None).float()

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hotstart.model import gemv, onednn, rope
+from hotstart.model import cpu_kernels, onednn, rope
 from hotstart.model.attention import AttnMetadata, paged_attention
 from hotstart.model_config import ModelConfig, RopeConfig
 
@@ -30,10 +30,10 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.prepacked: torch.Tensor | None = None  # oneDNN layout of weight, set between steps (onednn.py)
-        self.gemv: gemv.Segments | None = None  # the small-batch kernel over weight, set between steps
+        self.gemv: cpu_kernels.Segments | None = None  # the small-batch kernel over weight, set between steps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv is not None and x.dim() == 2 and x.shape[0] <= gemv.MAX_ROWS:
+        if self.gemv is not None and x.dim() == 2 and x.shape[0] <= cpu_kernels.MAX_ROWS:
             return self.gemv(x)
         if self.prepacked is not None:
             return onednn.linear(x, self.prepacked, self.bias)
@@ -51,11 +51,11 @@ class PackedGroup:
         biases = [m.bias for m in linears]
         self.bias = None if biases[0] is None else torch.cat(biases)
         self.linears = linears
-        self.gemv: gemv.Segments | None = None  # the small-batch kernel over the linears' own weights
+        self.gemv: cpu_kernels.Segments | None = None  # the small-batch kernel over the linears' own weights
 
     def stacked(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, sum of outs]: the projections' outputs side by side, in order
-        if self.gemv is not None and x.dim() == 2 and x.shape[0] <= gemv.MAX_ROWS:
+        if self.gemv is not None and x.dim() == 2 and x.shape[0] <= cpu_kernels.MAX_ROWS:
             return self.gemv(x)
         return onednn.linear(x, self.prepacked, self.bias)
 

@@ -13,15 +13,15 @@ import httpx
 import pytest
 import torch
 import torch.nn.functional as F
-from util import Server
+from util import Server, greedy_batch
 
 from hotstart.config import EngineConfig
 from hotstart.engine.core import EngineCore
 from hotstart.engine.fastpath import FastPath, LayerSpec, cache_folder
 from hotstart.engine.fastpath.state import IllegalTransition, transition
 from hotstart.engine.model_runner import StepInputs
-from hotstart.messages import EngineRequest, FastPathStatus, SamplingParams, Span
 from hotstart.messages import FastPathState as S
+from hotstart.messages import FastPathStatus, Span
 from hotstart.model import onednn
 from hotstart.model.files import weight_files
 
@@ -55,34 +55,6 @@ def _core(model_dir, dtype="float32", buckets="8") -> EngineCore:
     return EngineCore.build(cfg)
 
 
-def _greedy(core: EngineCore, logits: list | None = None) -> dict[str, list[int]]:
-    """Four greedy requests of different lengths, batched: prefill steps run eager, decodes of <= 8."""
-    tag = time.monotonic_ns()
-    for i in range(4):
-        core.add_request(
-            EngineRequest(
-                f"{i}-{tag}", list(range(3, 11 + 3 * i)), SamplingParams(max_tokens=24, temperature=0)
-            )
-        )
-    out: dict[str, list[int]] = {}
-    runner_forward = core.runner.forward
-
-    def keep(batch, want, *rest):  # the logits every step sampled from, for the tolerance check
-        x = runner_forward(batch, want, *rest)
-        if logits is not None and x is not None:
-            logits.append(x.clone())
-        return x
-
-    core.runner.forward = keep
-    try:
-        while core.has_work():
-            for o in core.step():
-                out.setdefault(o.request_id.split("-")[0], []).extend(o.new_token_ids)
-    finally:
-        core.runner.forward = runner_forward
-    return out
-
-
 def _build(core: EngineCore, mode: str, timeout: float = 900.0) -> tuple[FastPath, list]:
     sent: list = []
     fast = FastPath(core, mode, core.cfg.compile_bucket_sizes(), sent.append)
@@ -99,13 +71,13 @@ def test_compiled_graphs_equal_plain_eager_in_float32(family, tiny_checkpoint, t
     monkeypatch.setenv("HOTSTART_HOME", str(tmp_path))
     core = _core(tiny_checkpoint(family))
     ref_logits: list = []
-    ref = _greedy(core, ref_logits)
+    ref = greedy_batch(core, ref_logits)
     fast, sent = _build(core, "graphs")
     status = fast.status()
     assert status.packing is S.OFF and status.compile is S.READY, status
     assert [(b.tokens, b.state, b.detail) for b in status.buckets] == [(8, S.READY, "compiled")]
     logits: list = []
-    assert _greedy(core, logits) == ref  # identical greedy tokens
+    assert greedy_batch(core, logits) == ref  # identical greedy tokens
     assert core.runner.compiled.steps[8] > 0  # decodes of <= 8 tokens ran compiled
     for a, b in zip(logits, ref_logits, strict=True):
         assert (a - b).abs().max().item() < 1e-4
@@ -131,10 +103,10 @@ def test_packed_weights_equal_plain_in_float32_and_add_no_error_in_bfloat16(defa
     ids = [(i * 7919) % 49000 + 3 for i in range(96)]
     ref32 = _core(default_model_dir, dtype="float32")
     exact = _all_logits(ref32, ids)
-    greedy32 = _greedy(ref32)
+    greedy32 = greedy_batch(ref32)
     fast32, _ = _build(ref32, "eager-only")
     assert fast32.status().packing is S.PACKED
-    assert _greedy(ref32) == greedy32
+    assert greedy_batch(ref32) == greedy32
     assert (_all_logits(ref32, ids) - exact).abs().max().item() < 2e-4 * exact.abs().max().item()
 
     core = _core(default_model_dir, dtype="bfloat16")
@@ -143,7 +115,7 @@ def test_packed_weights_equal_plain_in_float32_and_add_no_error_in_bfloat16(defa
         fast = FastPath(core, "eager-only", (8,), lambda m: None)
         status = fast.status()
         assert status.packing is S.OFF and "no oneDNN prepacking for cpu bfloat16" in status.packing_detail
-        assert sum(len(t) for t in _greedy(core).values()) == 4 * 24
+        assert sum(len(t) for t in greedy_batch(core).values()) == 4 * 24
         return
     fast, _ = _build(core, "eager-only")
     assert fast.status().packing is S.PACKED and fast.status().compile is S.OFF
@@ -152,7 +124,7 @@ def test_packed_weights_equal_plain_in_float32_and_add_no_error_in_bfloat16(defa
     assert err_packed <= 1.25 * err_plain + 1e-3, (err_packed, err_plain)
     top1 = lambda x: (x.argmax(-1) == exact.argmax(-1)).float().mean().item()  # noqa: E731
     assert top1(packed_) >= top1(plain) - 0.05
-    assert sum(len(t) for t in _greedy(core).values()) == 4 * 24  # and it serves
+    assert sum(len(t) for t in greedy_batch(core).values()) == 4 * 24  # and it serves
 
 
 @pytest.mark.parametrize("family", ["qwen2", "olmo2", "qwen2-moe", "phi3", "gemma2"])
@@ -165,7 +137,7 @@ def test_sibling_projections_packed_as_one_equal_plain_in_float32(family, tiny_c
 
     core = _core(tiny_checkpoint(family))
     ids = [(i * 31) % 200 + 3 for i in range(23)]
-    exact, greedy = _all_logits(core, ids), _greedy(core)
+    exact, greedy = _all_logits(core, ids), greedy_batch(core)
     model = core.runner.model
     pack_model(model)
     groups = [g for m in model.modules() for g in vars(m).values() if isinstance(g, PackedGroup)]
@@ -176,7 +148,7 @@ def test_sibling_projections_packed_as_one_equal_plain_in_float32(family, tiny_c
     for m in model.model.layers.modules():  # every linear is served prepacked: alone, or in its group
         if isinstance(m, Linear):
             assert (m.prepacked is None) == (id(m) in grouped), m
-    assert _greedy(core) == greedy
+    assert greedy_batch(core) == greedy
     packed = _all_logits(core, ids)
     assert (packed - exact).abs().max().item() < 1e-4 * exact.abs().max().item()
 

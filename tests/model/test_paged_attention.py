@@ -1,7 +1,7 @@
 """Decode attention over the paged cache (model/attention.py) against a per-sequence float32 reference:
 chunked (several chunks, ragged contexts) and in one gather, on odd shapes (GQA groups, head_dim 80,
-blocks of 4 - 16), sliding windows and Gemma 2's logit soft-capping; and a batch of ragged streams
-through the engine, chunked and not."""
+blocks of 4 - 16), sliding windows and Gemma 2's logit soft-capping; the CPU kernel (bf16 too); and a batch
+of ragged streams through the engine, chunked and not."""
 
 from __future__ import annotations
 
@@ -30,11 +30,9 @@ def _reference(q, k_cache, v_cache, tables, contexts, bs, window, softcap):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("kvh, groups, head_dim, bs", [(2, 3, 64, 16), (1, 4, 80, 4), (4, 1, 64, 8)])
-@pytest.mark.parametrize("window, softcap", [(None, None), (7, None), (None, 3.0), (20, 2.0)])
-def test_decode_chunks_match_a_per_sequence_reference(kvh, groups, head_dim, bs, window, softcap):
-    rnd = random.Random(kvh * 100 + bs)
-    contexts = [1, 37, 9, 101, 64, 5, 70]
+def _case(kvh, groups, head_dim, bs, seed, contexts=(1, 37, 9, 101, 64, 5, 70), dtype=torch.float32):
+    """Queries, K/V caches with each sequence's blocks scattered through them, block tables, contexts."""
+    rnd = random.Random(seed)
     used = sum(-(-c // bs) for c in contexts)
     ids = list(range(1, used + 1))
     rnd.shuffle(ids)  # blocks scattered through the cache
@@ -44,9 +42,16 @@ def test_decode_chunks_match_a_per_sequence_reference(kvh, groups, head_dim, bs,
         tables.append(ids[:n])
         ids = ids[n:]
     g = torch.Generator().manual_seed(bs)
-    k_cache = torch.randn(kvh, (used + 1) * bs, head_dim, generator=g)
-    v_cache = torch.randn(kvh, (used + 1) * bs, head_dim, generator=g)
-    q = torch.randn(len(contexts), kvh * groups, head_dim, generator=g)
+    k_cache = torch.randn(kvh, (used + 1) * bs, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(kvh, (used + 1) * bs, head_dim, generator=g).to(dtype)
+    q = torch.randn(len(contexts), kvh * groups, head_dim, generator=g).to(dtype)
+    return q, k_cache, v_cache, tables, list(contexts)
+
+
+@pytest.mark.parametrize("kvh, groups, head_dim, bs", [(2, 3, 64, 16), (1, 4, 80, 4), (4, 1, 64, 8)])
+@pytest.mark.parametrize("window, softcap", [(None, None), (7, None), (None, 3.0), (20, 2.0)])
+def test_decode_chunks_match_a_per_sequence_reference(kvh, groups, head_dim, bs, window, softcap):
+    q, k_cache, v_cache, tables, contexts = _case(kvh, groups, head_dim, bs, kvh * 100 + bs)
     want = _reference(q, k_cache, v_cache, tables, contexts, bs, window, softcap)
     for rows, n_chunks in ((1 << 20, 0), (3 * bs, None), (100, None)):
         group = DecodeGroup.build(tables, contexts, None, bs, torch.device("cpu"), rows)
@@ -54,6 +59,33 @@ def test_decode_chunks_match_a_per_sequence_reference(kvh, groups, head_dim, bs,
         meta = AttnMetadata(torch.zeros(len(contexts), dtype=torch.long), bs, group, None)
         got = paged_attention(q, k_cache, v_cache, meta, SCALE, window, softcap)
         assert torch.allclose(got, want, atol=1e-5, rtol=0), (rows, (got - want).abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kvh, groups, head_dim, bs", [(3, 3, 64, 16), (1, 4, 80, 4), (4, 1, 36, 8),
+                                                       (2, 2, 256, 16)])
+@pytest.mark.parametrize("window, softcap", [(None, None), (7, None), (None, 3.0), (20, 2.0)])
+def test_the_cpu_kernel_matches_the_reference(dtype, kvh, groups, head_dim, bs, window, softcap, monkeypatch):
+    """The paged decode kernel (model/cpu_kernels.py), through paged_attention as a layer calls it:
+    float32 within 1e-5 of the reference, bf16 within bf16's rounding of the output (2^-8 relative)."""
+    from hotstart.model import cpu_kernels
+
+    if cpu_kernels.compiler() is None or not cpu_kernels.attention_supported(dtype):
+        pytest.skip("no C++ compiler or no AVX2+FMA here: the torch path serves (tested above)")
+    cpu_kernels.load(cpu_kernels.build())
+    cpu_kernels.enable_attention(True)
+    calls, fn = [], cpu_kernels._attention_fn
+    monkeypatch.setattr(cpu_kernels, "_attention_fn", lambda *a: calls.append(1) or fn(*a))
+    contexts = (1, 37, 9, 101, 64, 5, 70, 300)
+    q, k_cache, v_cache, tables, contexts = _case(kvh, groups, head_dim, bs, bs + head_dim, contexts, dtype)
+    want = _reference(q.float(), k_cache.float(), v_cache.float(), tables, contexts, bs, window, softcap)
+    group = DecodeGroup.build(tables, contexts, None, bs, torch.device("cpu"), 1 << 20)
+    meta = AttnMetadata(torch.zeros(len(contexts), dtype=torch.long), bs, group, None)
+    got = paged_attention(q, k_cache, v_cache, meta, SCALE, window, softcap)
+    assert calls and got.dtype == dtype and got.shape == q.shape
+    err = (got.float() - want).abs()
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -8 * want.abs() + 1e-5
+    assert (err <= tol).all(), err.max()
 
 
 def test_chunks_reach_only_the_sequences_whose_context_does():

@@ -23,18 +23,18 @@ from hotstart.engine.fastpath.cache import (
 )
 from hotstart.engine.fastpath.layer_graphs import LayerGraphForward
 from hotstart.engine.fastpath.pack import LM_HEAD, attach_gemv, pack_layer
-from hotstart.engine.fastpath.plan import compile_plan, gemv_plan, packing_plan
+from hotstart.engine.fastpath.plan import compile_plan, kernel_plans, packing_plan
 from hotstart.engine.fastpath.state import Stage
 from hotstart.messages import BucketState, FastPathStatus, Span
 from hotstart.messages import FastPathState as S
-from hotstart.model import gemv
+from hotstart.model import cpu_kernels
 from hotstart.procs import terminate_then_kill
 
 log = logging.getLogger("hotstart.engine")
 
 REPORT_EVERY_S = 1.0  # step counts are resent at most this often
 TICK_IDLE_S = 0.01  # work per tick while the engine is idle (busy: one layer's prepacking, ~1 ms)
-GEMV_BUILD_TIMEOUT_S = 120.0  # g++ takes ~1 s for the small-batch kernel
+KERNELS_BUILD_TIMEOUT_S = 120.0  # g++ takes ~2 s for hotstart's CPU kernels
 
 
 class FastPath:
@@ -48,10 +48,10 @@ class FastPath:
         planned = sorted(set(buckets)) if self.compile.pending() else []
         self.buckets = {b: Stage(f"bucket {b}") for b in planned}  # tokens -> its layer graph's state
         self._todo: list[int] = []  # layers left to prepack, then LM_HEAD
-        # the small-batch kernel (model/gemv.py), settled with the packing stage: why not, or its state
-        self._gemv_note = ""  # detail added to the packing stage's once settled
-        self._gemv_build: tuple[subprocess.Popen, Path, float] | None = None  # g++, its output, start
-        self._gemv_path: Path | None = None  # built, to load once the layers are prepacked
+        # hotstart's CPU kernels (model/cpu_kernels.py), settled with the packing stage
+        self._gemv_why = self._attention_why = ""  # why not the small-batch / paged decode kernel
+        self._kernels_build: tuple[subprocess.Popen, Path, float] | None = None  # g++, its output, start
+        self._kernels_path: Path | None = None  # built, to load once the layers are prepacked
         self._pack_t0 = 0.0
         self.forward: LayerGraphForward | None = None  # installed as runner.compiled once compiling
         self.folder: Path | None = None  # the compile cache's folder of this model's layer graphs
@@ -79,7 +79,7 @@ class FastPath:
             if self.packing.state is S.PACKING:
                 if self._todo:
                     self._pack(TICK_IDLE_S if idle else 0.0)
-                self._gemv_tick()
+                self._kernels_tick()
             elif self.compile.state is S.PLANNED:
                 self._start_compiling()
             if self.proc is not None:
@@ -92,11 +92,11 @@ class FastPath:
         if self.proc is not None:
             terminate_then_kill([self.proc], 1.0)
             self.proc = None
-        if self._gemv_build is not None:
-            proc, tmp, _ = self._gemv_build
+        if self._kernels_build is not None:
+            proc, tmp, _ = self._kernels_build
             terminate_then_kill([proc], 1.0)
             tmp.unlink(missing_ok=True)
-            self._gemv_build = None
+            self._kernels_build = None
 
     def _fail(self, why: str) -> None:
         """Stop building: whatever is not final yet FAILED; what is built keeps serving."""
@@ -113,7 +113,7 @@ class FastPath:
         self._todo = [*range(len(self.model.model.layers)), LM_HEAD]
         self._pack_t0 = time.time()
         self._dirty = True
-        self._start_gemv()
+        self._start_kernels()
 
     def _pack(self, budget_s: float) -> None:
         """Prepack one layer, then more while BUDGET_S lasts."""
@@ -125,61 +125,72 @@ class FastPath:
             if time.perf_counter() >= end:
                 break
 
-    # ---- the small-batch kernel -------------------------------------------------------------------
-    def _start_gemv(self) -> None:
-        """Plan the kernel; start g++ in a child process if this host has not built it."""
-        why = gemv_plan(self.core)
-        if why:
-            self._gemv_note = f"no small-batch kernel: {why}"
+    # ---- hotstart's CPU kernels (model/cpu_kernels.py) ------------------------------------------
+    def _start_kernels(self) -> None:
+        """Plan the kernels; start g++ in a child process if this host has not built the library."""
+        self._gemv_why, self._attention_why = kernel_plans(self.core)
+        if self._gemv_why and self._attention_why:
             return
-        path = gemv.library_path()
+        path = cpu_kernels.library_path()
         if path.exists():
-            self._gemv_path = path
+            self._kernels_path = path
             return
         if not home_writable():
-            self._gemv_note = "no small-batch kernel: $HOTSTART_HOME takes no writes this run"
+            self._kernels_failed("$HOTSTART_HOME takes no writes this run")
             return
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         with open(path.parent / "build.log", "ab") as log_file:
-            proc = subprocess.Popen(gemv.build_command(tmp), stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen(cpu_kernels.build_command(tmp), stdin=subprocess.DEVNULL,
                                     stdout=subprocess.DEVNULL, stderr=log_file)
-        self._gemv_build = (proc, tmp, time.time())
+        self._kernels_build = (proc, tmp, time.time())
 
-    def _gemv_tick(self) -> None:
-        """Poll g++; once the layers are prepacked, load and attach the kernel and settle the stage."""
-        if self._gemv_build is not None:
-            proc, tmp, t0 = self._gemv_build
+    def _kernels_failed(self, why: str) -> None:
+        self._gemv_why = self._gemv_why or why
+        self._attention_why = self._attention_why or why
+        log.error(f"hotstart: engine: no CPU kernels ({why}); oneDNN and torch serve every step")
+
+    def _kernels_tick(self) -> None:
+        """Poll g++; once the layers are prepacked, load the library, attach the kernels, settle the stage."""
+        if self._kernels_build is not None:
+            proc, tmp, t0 = self._kernels_build
             code = proc.poll()
-            if code is None and time.time() - t0 < GEMV_BUILD_TIMEOUT_S:
+            if code is None and time.time() - t0 < KERNELS_BUILD_TIMEOUT_S:
                 return
-            self._gemv_build = None
+            self._kernels_build = None
             if code is None:
                 terminate_then_kill([proc], 1.0)
-                self._gemv_note = f"no small-batch kernel: g++ took over {GEMV_BUILD_TIMEOUT_S:.0f} s"
+                self._kernels_failed(f"g++ took over {KERNELS_BUILD_TIMEOUT_S:.0f} s")
             elif code != 0:
-                self._gemv_note = f"no small-batch kernel: g++ failed (code {code}, {tmp.parent}/build.log)"
+                self._kernels_failed(f"g++ failed (code {code}, {tmp.parent}/build.log)")
             else:
-                path = gemv.library_path()
+                path = cpu_kernels.library_path()
                 os.replace(tmp, path)
-                self._gemv_path = path
-                self.send(Span("small-batch kernel built (g++)", t0, time.time(), "compiler", path.name))
+                self._kernels_path = path
+                self.send(Span("CPU kernels built (g++)", t0, time.time(), "compiler", path.name))
             tmp.unlink(missing_ok=True)
-            if self._gemv_note:
-                log.error(f"hotstart: engine: {self._gemv_note}; oneDNN serves every step")
         if self._todo:
             return
-        if self._gemv_path is not None:
+        notes = []
+        if self._kernels_path is not None:
             try:
-                gemv.load(self._gemv_path)
-                served = attach_gemv(self.model)
+                cpu_kernels.load(self._kernels_path)
+                if not self._gemv_why:
+                    notes.append(f"small-batch kernel on {attach_gemv(self.model)} linears "
+                                 f"(<= {cpu_kernels.MAX_ROWS} tokens)")
+                if not self._attention_why:
+                    cpu_kernels.enable_attention(True)
+                    notes.append("paged decode kernel")
             except Exception as e:  # noqa: BLE001 - e.g. a library of another build: oneDNN serves on
-                self._gemv_note = f"no small-batch kernel: {type(e).__name__}: {e}"
-                log.error(f"hotstart: engine: {self._gemv_note}; oneDNN serves every step")
-            else:
-                self._gemv_note = f"small-batch kernel on {served} linears (<= {gemv.MAX_ROWS} tokens)"
-            self._gemv_path = None
-        self.packing.move(S.PACKED, f"{self._pack_bytes / 1e6:.0f} MB; {self._gemv_note}")
+                self._kernels_failed(f"{type(e).__name__}: {e}")
+                notes = []
+            self._kernels_path = None
+        if self._gemv_why:
+            notes.append(f"no small-batch kernel: {self._gemv_why}")
+        if self._attention_why:
+            cpu_kernels.enable_attention(False)  # process-wide: off unless this engine's plan says on
+            notes.append(f"no paged decode kernel: {self._attention_why}")
+        self.packing.move(S.PACKED, "; ".join([f"{self._pack_bytes / 1e6:.0f} MB", *notes]))
         self.send(Span("weights prepacked (oneDNN)", self._pack_t0, time.time(), "engine",
                        self.packing.detail))
         self._dirty = True

@@ -4,7 +4,7 @@ step bench (bench/engine_setup.py)."""
 
 from __future__ import annotations
 
-from hotstart.model import gemv, onednn
+from hotstart.model import cpu_kernels, onednn
 from hotstart.model.decoder import CausalLM
 from hotstart.model.layers import Linear, PackedGroup
 
@@ -45,7 +45,7 @@ def prepacked_bytes(model: CausalLM) -> int:
 
 
 def attach_gemv(model: CausalLM) -> int:
-    """Let the small-batch kernel (model/gemv.py, loaded) run every linear layer's and the LM head's
+    """Let the small-batch kernel (model/cpu_kernels.py, loaded) run every linear layer's and the LM head's
     steps of few tokens, over their own weights: a PackedGroup's projections as one call, the other
     linears one each (a weight the kernel cannot read, e.g. with strided rows, keeps oneDNN). Returns how
     many modules it serves."""
@@ -56,14 +56,15 @@ def attach_gemv(model: CausalLM) -> int:
         for attr, linears in (m.pack_groups() if hasattr(m, "pack_groups") else {}).items():
             group = getattr(m, attr)
             if group is not None and all(lin.weight.stride(-1) == 1 for lin in linears):
-                group.gemv = gemv.Segments([lin.weight for lin in linears], [lin.bias for lin in linears])
+                weights, biases = [lin.weight for lin in linears], [lin.bias for lin in linears]
+                group.gemv = cpu_kernels.Segments(weights, biases)
                 in_groups.update(id(lin) for lin in linears)
                 calls += 1
     for m in modules:
         if isinstance(m, Linear) and id(m) not in in_groups and m.weight.stride(-1) == 1:
-            m.gemv = gemv.Segments([m.weight], [m.bias])
+            m.gemv = cpu_kernels.Segments([m.weight], [m.bias])
             calls += 1
     if model.output_weight().stride(-1) == 1:
-        model.lm_head_gemv = gemv.Segments([model.output_weight()], [None])
+        model.lm_head_gemv = cpu_kernels.Segments([model.output_weight()], [None])
         calls += 1
     return calls

@@ -12,7 +12,7 @@ import shutil
 
 from hotstart.engine.fastpath.pack import prepacked_bytes
 from hotstart.messages import FastPathState as S
-from hotstart.model import gemv, onednn
+from hotstart.model import cpu_kernels, onednn
 from hotstart.system import mem_available
 
 PACK_RAM_FRACTION = 0.5  # prepack only if the copies take at most this share of MemAvailable
@@ -55,16 +55,23 @@ def compile_plan(core, mode: str, packing: bool) -> tuple[S, str]:
     return S.PLANNED, ""
 
 
-def gemv_plan(core) -> str:
-    """Why the small-batch kernel (model/gemv.py) does not run on this engine; "" when it does (built
-    first if this host has not built it yet). It comes with the prepacked weights (packing PLANNED)."""
+def kernel_plans(core) -> tuple[str, str]:
+    """Why hotstart's CPU kernels (model/cpu_kernels.py) do not run on this engine, "" where they do: the
+    small-batch linear kernel's, the paged decode attention kernel's. They come with the prepacked
+    weights (packing PLANNED); the library is built first where this host has not built it yet."""
     p = core.placement
-    if os.environ.get("HOTSTART_GEMV", "").lower() in ("0", "off", "false", "no"):
-        return "HOTSTART_GEMV=off"
-    if not gemv.supported(p.dtype, p.device):
-        return f"no kernel for {p.device.type} {str(p.dtype)[6:]} on this CPU"
+    common = ""
     if core.executor.world_size > 1:
-        return "tensor parallel"
-    if gemv.compiler() is None:
-        return f"no C++ compiler ({os.environ.get('CXX', 'g++')}) found"
-    return ""
+        common = "tensor parallel"
+    elif cpu_kernels.compiler() is None:
+        common = f"no C++ compiler ({os.environ.get('CXX', 'g++')}) found"
+    off = ("0", "off", "false", "no")
+    gemv = common or (
+        "HOTSTART_GEMV=off" if os.environ.get("HOTSTART_GEMV", "").lower() in off
+        else "" if cpu_kernels.supported(p.dtype, p.device)
+        else f"no kernel for {p.device.type} {str(p.dtype)[6:]} on this CPU")
+    attention = common or (
+        "HOTSTART_DECODE_KERNEL=off" if os.environ.get("HOTSTART_DECODE_KERNEL", "").lower() in off
+        else "" if cpu_kernels.attention_supported(p.dtype, p.device)
+        else f"no kernel for {p.device.type} {str(p.dtype)[6:]} on this CPU")
+    return gemv, attention

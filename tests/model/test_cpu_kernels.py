@@ -1,7 +1,8 @@
-"""The small-batch kernel (hotstart/model/gemv.py): equal to a float64 matmul on odd shapes, segments and
-strided rows; a model whose steps of few tokens run through it equals the plain path in float32
-(greedy identical); the fast path builds, loads and attaches it behind READY, says so, and serves on
-when it cannot be built."""
+"""hotstart's CPU kernels (hotstart/model/cpu_kernels.py): the small-batch linear kernel equals a float64
+matmul on odd shapes, segments and strided rows (the paged decode kernel against its reference:
+tests/model/test_paged_attention.py); a model whose steps run through both equals the plain path in
+float32 (greedy identical); the fast path builds, loads and attaches them behind READY, says so, and
+serves on when they cannot be built."""
 
 from __future__ import annotations
 
@@ -9,23 +10,26 @@ import time
 
 import pytest
 import torch
+from util import greedy_batch
 
 from hotstart.config import EngineConfig
 from hotstart.engine.core import EngineCore
 from hotstart.engine.fastpath import FastPath, pack_model
 from hotstart.engine.fastpath.pack import attach_gemv
-from hotstart.messages import EngineRequest, SamplingParams
 from hotstart.messages import FastPathState as S
-from hotstart.model import gemv
+from hotstart.model import cpu_kernels
 from hotstart.model.files import weight_files
 
 DTYPES = [torch.float32, torch.bfloat16]
+# three greedy requests of 12, 16 and 20 tokens: their decodes run 3, then 2, then 1 at a time, all
+# <= MAX_ROWS (the small-batch kernel's)
+RAGGED = (12, 16, 20)
 
 
 def _needs(dtype: torch.dtype) -> None:
-    if gemv.compiler() is None:
+    if cpu_kernels.compiler() is None:
         pytest.skip("no C++ compiler: the engine serves with oneDNN alone")
-    if not gemv.supported(dtype):
+    if not cpu_kernels.supported(dtype):
         pytest.skip(f"this CPU lacks the instructions of the {dtype} kernel (the engine says so and "
                     "serves with oneDNN)")
 
@@ -41,7 +45,7 @@ def test_kernel_equals_a_float64_matmul(dtype):
     one that is (576), three segments side by side with and without biases, a weight whose rows are a
     view of a wider tensor, float32 or bf16 out."""
     _needs(dtype)
-    gemv.load(gemv.build())
+    cpu_kernels.load(cpu_kernels.build())
     g = torch.Generator().manual_seed(0)
     for k in (33, 100, 576):
         wide = torch.randn(21, k + 7, generator=g).to(dtype)
@@ -50,7 +54,7 @@ def test_kernel_equals_a_float64_matmul(dtype):
         assert weights[1].stride(0) == k + 7
         for biased in (False, True):
             biases = [torch.randn(w.shape[0], generator=g).to(dtype) if biased else None for w in weights]
-            seg = gemv.Segments(weights, biases)
+            seg = cpu_kernels.Segments(weights, biases)
             for m in range(1, 6):
                 x = torch.randn(m, k, generator=g).to(dtype)
                 ref = x.double() @ torch.cat(weights).double().t()
@@ -72,50 +76,31 @@ def _core(model_dir, dtype: str = "float32") -> EngineCore:
     return EngineCore.build(cfg)
 
 
-def _greedy(core: EngineCore, logits: list) -> list[list[int]]:
-    """Three greedy requests, batched: their decodes run 3, then 2, then 1 at a time (all <= MAX_ROWS)."""
-    tag = time.monotonic_ns()
-    for i in range(3):
-        core.add_request(EngineRequest(f"{i}-{tag}", list(range(3, 9 + 5 * i)),
-                                       SamplingParams(max_tokens=12 + 4 * i, temperature=0)))
-    out: dict[str, list[int]] = {}
-    forward = core.runner.forward
-
-    def keep(batch, want, *rest):
-        x = forward(batch, want, *rest)
-        if x is not None and len(batch) <= gemv.MAX_ROWS and all(n == 1 for _, n in batch):
-            logits.append(x.clone())
-        return x
-
-    core.runner.forward = keep
-    try:
-        while core.has_work():
-            for o in core.step():
-                out.setdefault(o.request_id.split("-")[0], []).extend(o.new_token_ids)
-    finally:
-        core.runner.forward = forward
-    return [out[k] for k in sorted(out)]
-
-
-@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen2-moe", "phi3", "gemma2"])
-def test_model_through_the_kernel_equals_plain_in_float32(family, tiny_checkpoint, monkeypatch):
-    """qwen2's q/k/v biases, llama, the experts of qwen2-moe, phi3's fused checkpoint, gemma2's tied head
-    and soft-capping: every decode step of <= MAX_ROWS tokens goes through the kernel (counted) and the
-    greedy tokens are those of the plain path, logits within float32 accumulation order."""
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen2-moe", "phi3", "gemma2", "gemma3", "mistral"])
+def test_model_through_the_kernels_equals_plain_in_float32(family, tiny_checkpoint, monkeypatch):
+    """qwen2's q/k/v biases, llama, the experts of qwen2-moe, phi3's fused checkpoint, gemma2's tied head,
+    soft-capping and sliding layers, mistral's window: every decode step of <= MAX_ROWS tokens goes
+    through the small-batch kernel and every decode attention through the paged kernel (both counted),
+    and the greedy tokens are those of the plain path, logits within float32 accumulation order."""
     _needs(torch.float32)
     core = _core(tiny_checkpoint(family))
     ref_logits: list = []
-    ref = _greedy(core, ref_logits)
+    ref = greedy_batch(core, ref_logits, RAGGED, ignore_eos=True)
     model = core.runner.model
     pack_model(model)
-    gemv.load(gemv.build())
+    cpu_kernels.load(cpu_kernels.build())
     assert attach_gemv(model) >= len(model.model.layers) + 1
-    calls = []
-    call = gemv.Segments.__call__
-    monkeypatch.setattr(gemv.Segments, "__call__", lambda self, *a: calls.append(1) or call(self, *a))
+    cpu_kernels.enable_attention(True)
+    calls, attended = [], []
+    call, attend = cpu_kernels.Segments.__call__, cpu_kernels._attention_fn
+    monkeypatch.setattr(cpu_kernels.Segments, "__call__", lambda self, *a: calls.append(1) or call(self, *a))
+    monkeypatch.setattr(cpu_kernels, "_attention_fn", lambda *a: attended.append(1) or attend(*a))
     logits: list = []
-    assert _greedy(core, logits) == ref
-    assert len(calls) >= len(logits) * (len(model.model.layers) + 1)  # every layer and the LM head
+    assert greedy_batch(core, logits, RAGGED, ignore_eos=True) == ref
+    layers = len(model.model.layers)
+    decodes = max(RAGGED) - 1  # decode steps (the longest request's: its first token came with its prefill)
+    assert len(calls) >= decodes * (layers + 1)  # every layer and the LM head, at each of those steps
+    assert len(attended) >= decodes * layers
     assert len(logits) == len(ref_logits) > 0
     for a, b in zip(logits, ref_logits, strict=True):
         assert (a - b).abs().max().item() < 1e-4 * b.abs().max().item()
@@ -139,25 +124,29 @@ def test_the_fast_path_builds_and_attaches_it_behind_ready(tiny_checkpoint, tmp_
     _settle(fast)
     status = fast.status()
     assert status.packing is S.PACKED and "small-batch kernel on" in status.packing_detail, status
-    assert gemv.library_path().parent == tmp_path / "kernels" and gemv.library_path().exists()
-    assert core.runner.model.lm_head_gemv is not None
+    assert cpu_kernels.library_path().parent == tmp_path / "kernels" and cpu_kernels.library_path().exists()
+    assert core.runner.model.lm_head_gemv is not None and cpu_kernels._attention_fn is not None
+    assert "paged decode kernel" in status.packing_detail
     again = FastPath(_core(tiny_checkpoint("llama")), "eager-only", (8,), lambda m: None)
     again.tick(idle=True)
-    assert again._gemv_build is None  # cached: no second compile
+    assert again._kernels_build is None  # cached: no second compile
 
 
-def test_without_the_kernel_the_engine_serves_with_onednn(tiny_checkpoint, tmp_path, monkeypatch):
-    """HOTSTART_GEMV=off, or a compiler that fails: the packing stage says why and every step runs
-    on oneDNN (greedy tokens as before)."""
+def test_without_the_kernels_the_engine_serves_on(tiny_checkpoint, tmp_path, monkeypatch):
+    """HOTSTART_GEMV=off, HOTSTART_DECODE_KERNEL=off, or a compiler that fails: the packing stage says
+    which kernel is off and why, and the steps run on oneDNN / torch's attention (and serve)."""
     _needs(torch.float32)
     monkeypatch.setenv("HOTSTART_HOME", str(tmp_path))
-    for env, why in ((("HOTSTART_GEMV", "off"), "HOTSTART_GEMV=off"), (("CXX", "false"), "g++ failed")):
+    for env, why in ((("HOTSTART_GEMV", "off"), "no small-batch kernel: HOTSTART_GEMV=off"),
+                     (("HOTSTART_DECODE_KERNEL", "off"), "paged decode kernel: HOTSTART_DECODE_KERNEL=off"),
+                     (("CXX", "false"), "no small-batch kernel: g++ failed")):
         monkeypatch.setenv(*env)
         core = _core(tiny_checkpoint("llama"))
         fast = FastPath(core, "eager-only", (8,), lambda m: None)
         _settle(fast)
         status = fast.status()
         assert status.packing is S.PACKED and why in status.packing_detail, status
-        assert core.runner.model.lm_head_gemv is None
-        assert sum(map(len, _greedy(core, []))) == 12 + 16 + 20
+        assert (core.runner.model.lm_head_gemv is None) == (env[0] != "HOTSTART_DECODE_KERNEL")
+        assert (cpu_kernels._attention_fn is None) == (env[0] != "HOTSTART_GEMV")
+        assert sum(map(len, greedy_batch(core, None, RAGGED, ignore_eos=True).values())) == sum(RAGGED)
         monkeypatch.delenv(env[0])

@@ -1,5 +1,10 @@
-"""Small-batch linear layers on CPU: hotstart's own kernel (kernels/gemv.cpp) for steps of at most
-MAX_ROWS tokens, where oneDNN's prepacked kernels read the weights at about half the memory bandwidth.
+"""hotstart's own CPU kernels (kernels/*.cpp), one small library built on the host:
+
+- small-batch linear layers (kernels/gemv.cpp, `Segments`) for steps of at most MAX_ROWS tokens, where
+  oneDNN's prepacked kernels read the weights at about half the memory bandwidth;
+- paged decode attention (kernels/decode_attention.cpp, `decode_attention`): one call per layer reads
+  each sequence's keys and values in place through its block table, where the torch path gathers them
+  into fresh tensors and runs ~10 ops over them.
 
 Decode at one stream is bound by the weight read. Measured on the 2-vCPU AVX512-BF16 EPYC (one process,
 alternating rounds, the default model's 30 layers of shapes + its LM head, bf16): oneDNN prepacked 22-29
@@ -10,11 +15,12 @@ there). So steps of more than MAX_ROWS tokens keep oneDNN.
 The kernel reads the checkpoint's own [out, in] weights (no copy): sibling projections (q/k/v, gate/up)
 go in one call as segments, side by side in the output, as PackedGroup's stacked oneDNN weight does.
 
-Built once per source, compiler and host by `g++ -O3 -fopenmp -shared` (~1 s) into
+The library is built once per source, compiler and host by `g++ -O3 -fopenmp -shared` (~1 s) into
 $HOTSTART_HOME/kernels/, in a child process behind READY (engine/fastpath/builder.py), and loaded with
 ctypes: no torch headers, no inductor. Its OpenMP runtime is the one torch has loaded (same soname), so
 it runs on torch's threads. float32 results equal F.linear's up to accumulation order; bfloat16 ones
-within bf16's own error of the float32 model (tests/model/test_gemv.py).
+within bf16's own error of the float32 model; decode attention equals the torch path's within float32
+accumulation order (tests/model/test_cpu_kernels.py).
 """
 
 from __future__ import annotations
@@ -30,13 +36,15 @@ import torch
 
 from hotstart.system import cpu_flags, hotstart_home
 
-SOURCE = Path(__file__).with_name("kernels") / "gemv.cpp"
+SOURCES = [Path(__file__).with_name("kernels") / name for name in ("gemv.cpp", "decode_attention.cpp")]
 MAX_ROWS = 3  # tokens per step up to which the kernel runs (measured above)
 _DTYPE_CODES = {torch.bfloat16: 1, torch.float32: 2}
 _NEEDS = {torch.bfloat16: ("avx512f", "avx512bw", "avx512_bf16"), torch.float32: ("avx2", "fma")}
+_ATTENTION_NEEDS = ("avx2", "fma")  # both dtypes (bf16 is widened to float32 in registers)
 
 _lib: ctypes.CDLL | None = None
 _fn = None
+_attention_fn = None  # set when the library is loaded and decode attention is enabled (enable_attention)
 _traced = False  # calls show in torch's profiler (a ctypes call is no torch op): the step bench's profile
 
 
@@ -46,9 +54,16 @@ def trace(on: bool) -> None:
 
 
 def supported(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
-    """Whether this host runs the kernel for DTYPE (the CPU's instruction sets; x86-64 only)."""
+    """Whether this host runs the small-batch linear kernel for DTYPE (the CPU's instruction sets)."""
     flags = cpu_flags()
     return torch.device(device).type == "cpu" and dtype in _NEEDS and all(f in flags for f in _NEEDS[dtype])
+
+
+def attention_supported(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
+    """Whether this host runs the paged decode attention kernel for DTYPE."""
+    flags = cpu_flags()
+    return (torch.device(device).type == "cpu" and dtype in _DTYPE_CODES
+            and all(f in flags for f in _ATTENTION_NEEDS))
 
 
 def compiler() -> str | None:
@@ -58,15 +73,15 @@ def compiler() -> str | None:
 def library_path() -> Path:
     """Where this source, compiled by this compiler for this host, lives (a new key rebuilds it)."""
     cxx = compiler() or "none"
-    key = hashlib.sha256(SOURCE.read_bytes())
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES))
     key.update(cxx.encode())
     key.update(" ".join(sorted(cpu_flags())).encode())
-    return hotstart_home() / "kernels" / f"gemv-{key.hexdigest()[:16]}.so"
+    return hotstart_home() / "kernels" / f"cpu-{key.hexdigest()[:16]}.so"
 
 
 def build_command(out: Path) -> list[str]:
     """g++ writing the library to OUT (a temporary name: the caller renames it into place)."""
-    return [compiler() or "g++", "-O3", "-fopenmp", "-shared", "-fPIC", "-o", str(out), str(SOURCE)]
+    return [compiler() or "g++", "-O3", "-fopenmp", "-shared", "-fPIC", "-o", str(out), *map(str, SOURCES)]
 
 
 def build(timeout_s: float = 120.0) -> Path:
@@ -99,11 +114,51 @@ def load(path: Path | str) -> None:
     fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_int64, ctypes.c_int]
+    att = lib.hs_decode_attention
+    att.restype = ctypes.c_int
+    att.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                    ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float,
+                    ctypes.c_float, ctypes.c_int64]
     _lib, _fn = lib, fn
 
 
 def loaded() -> bool:
     return _fn is not None
+
+
+def enable_attention(on: bool) -> None:
+    """From the next layer on, decode attention on CPU runs the kernel (on) or the torch path."""
+    global _attention_fn
+    _attention_fn = _lib.hs_decode_attention if on and _lib is not None else None
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                     context: torch.Tensor, block_size: int, scale: float, softcap: float | None,
+                     window: int | None) -> torch.Tensor | None:
+    """q: [B, H, D], caches: [KVH, slots, D], tables: [B, nb] long, context: [B] long (keys in context,
+    >= 1) -> [B, H, D] in q's dtype; None where the kernel does not run (not enabled, another device or
+    dtype, a layout it does not read): the caller takes the torch path."""
+    fn = _attention_fn
+    if (fn is None or q.device.type != "cpu" or q.dtype not in _DTYPE_CODES or k_cache.dtype != q.dtype
+            or k_cache.stride(2) != 1 or k_cache.stride(1) != k_cache.shape[2]
+            or v_cache.stride() != k_cache.stride()):
+        return None
+    if _traced:
+        with torch.profiler.record_function("hotstart::decode_attention"):
+            return _attention(fn, q, k_cache, v_cache, tables, context, block_size, scale, softcap, window)
+    return _attention(fn, q, k_cache, v_cache, tables, context, block_size, scale, softcap, window)
+
+
+def _attention(fn, q, k_cache, v_cache, tables, context, block_size, scale, softcap, window):
+    b, h, d = q.shape
+    q = q.contiguous()
+    tables, context = tables.contiguous(), context.contiguous()
+    out = torch.empty_like(q)
+    rc = fn(_DTYPE_CODES[q.dtype], q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), b,
+            h, k_cache.shape[0], d, k_cache.stride(0), tables.data_ptr(), tables.shape[1], context.data_ptr(),
+            block_size, scale, softcap or 0.0, window or 0)
+    return out if rc == 0 else None
 
 
 class Segments:
