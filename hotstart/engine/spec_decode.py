@@ -19,7 +19,11 @@ blocks past the sequence's end are freed (BlockManager.trim).
 
 Back-off: a draft with nothing accepted doubles the sequence's pause (decode steps without drafting, up
 to MAX_BACKOFF); any accepted token resets it. Text that does not repeat itself is not slowed down by
-drafts that never land.
+drafts that never land. Draft length: after a draft with a tokens of k accepted (a < k) the next draft
+is at most a + 1 tokens; a fully accepted one doubles the limit, up to K. A verify step of 1 + k tokens
+costs more than a decode step, and the more so on CPU, where steps of up to 3 tokens run the small-batch
+GEMV (model/cpu_kernels.py) and longer ones oneDNN: a short draft keeps verification cheap where text
+repeats itself only in short runs, a long one pays where it copies.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class SpecState:
     context: bytearray = field(default_factory=bytearray)  # its token ids as int32 bytes (searched in C)
     pause: int = 0  # decode steps left without drafting
     backoff: int = 0  # the pause the next fruitless draft sets (doubles)
+    limit: int = 0  # the most tokens the next draft may have (0: num_speculative_tokens)
 
 
 def _find(context: bytes | bytearray, needle: bytes | bytearray, end: int) -> int:
@@ -91,7 +96,7 @@ class NgramSpeculator:
                 continue
             # never more tokens than max_tokens / max_model_len leave: the bonus token comes on top
             k = min(
-                cfg.num_speculative_tokens,
+                st.limit or cfg.num_speculative_tokens,
                 seq.params.max_tokens - seq.num_generated - 1,
                 self.max_model_len - seq.num_tokens - 1,
             )
@@ -118,6 +123,8 @@ class NgramSpeculator:
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
         st = seq.spec
+        k = self.cfg.num_speculative_tokens
+        st.limit = min(k, 2 * drafted) if accepted == drafted else accepted + 1
         if accepted:
             st.backoff = 0
         else:

@@ -21,7 +21,7 @@ from hotstart.cli import main as hotstart_main
 from hotstart.config import EngineConfig
 from hotstart.engine.core import EngineCore
 from hotstart.engine.spec_config import SpecConfig, speculative_config
-from hotstart.engine.spec_decode import MAX_BACKOFF, SpecState, propose
+from hotstart.engine.spec_decode import MAX_BACKOFF, NgramSpeculator, SpecState, propose
 from hotstart.families import tiny_checkpoints
 from hotstart.messages import EngineRequest, SamplingParams
 from hotstart.model.files import weight_files
@@ -133,6 +133,27 @@ def test_propose_longest_ngram_latest_with_k_followers():
     assert propose(ctx(7, 1, 2, 3, 2), 3, 3, 1) == [3, 2]  # the follower runs to the end
     # a byte pattern across token boundaries is no match: 0x01000000 0x00000002 vs 0x00000200 ...
     assert propose(ctx(0x01000000, 2, 9, 0x200, 1), 2, 1, 1) == []
+
+
+def test_draft_length_follows_acceptance():
+    """After a tokens of k accepted (a < k) the next draft has at most a + 1; a fully accepted draft
+    doubles the limit up to K; nothing accepted also pauses (back-off)."""
+    from hotstart.engine.sequence import Sequence
+
+    spec = NgramSpeculator(SpecConfig("ngram", 6, 3, 1), max_model_len=4096)
+    tokens = list(range(3)) * 20
+    seq = Sequence("r", tokens, len(tokens), SamplingParams(max_tokens=500, temperature=0))
+    seq.num_computed_tokens = seq.num_tokens - 1  # decoding
+    seq.spec = SpecState()
+    limits = []
+    for drafted, accepted in ((6, 2), (3, 3), (6, 6), (6, 0), (1, 1), (2, 2), (4, 1)):
+        spec.record(seq, drafted, accepted)
+        limits.append(seq.spec.limit)
+    assert limits == [3, 6, 6, 1, 2, 4, 2]
+    seq.spec.pause = 0
+    spec.draft([seq])
+    assert seq.draft == [0, 1]  # the repeating text offers 6 tokens, the limit allows 2
+    assert spec.stats()["spec_decode_num_draft_tokens"] == 6 + 3 + 6 + 6 + 1 + 2 + 4
 
 
 def test_spec_config_parse_and_errors():
