@@ -55,7 +55,7 @@ def build_core(model: str | None, dtype: str = "auto", fast_path: str = "off", b
 
 def _pack(core) -> float:
     from hotstart.engine.fastpath import pack_model
-    from hotstart.engine.fastpath.pack import attach_gemv
+    from hotstart.engine.fastpath.pack import install_kernels
     from hotstart.engine.fastpath.plan import kernel_plans
     from hotstart.model import cpu_kernels, onednn
 
@@ -67,10 +67,7 @@ def _pack(core) -> float:
     pack_model(core.runner.model)  # the engine's own loop (engine/fastpath/pack.py)
     gemv_why, attention_why = kernel_plans(core)  # the CPU kernels where the engine runs them
     if not gemv_why or not attention_why:
-        cpu_kernels.load(cpu_kernels.build())
-    if not gemv_why:
-        attach_gemv(core.runner.model)
-    cpu_kernels.enable_attention(not attention_why)
+        install_kernels(core.runner.model, cpu_kernels.build(), gemv_why, attention_why)
     return time.perf_counter() - t
 
 

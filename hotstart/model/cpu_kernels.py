@@ -34,9 +34,11 @@ from pathlib import Path
 
 import torch
 
+from hotstart.diskio import publish
 from hotstart.system import cpu_flags, hotstart_home
 
-SOURCES = [Path(__file__).with_name("kernels") / name for name in ("gemv.cpp", "decode_attention.cpp")]
+KERNELS = Path(__file__).with_name("kernels")
+SOURCES = [KERNELS / name for name in ("gemv.cpp", "decode_attention.cpp")]  # compiled; common.h included
 MAX_ROWS = 3  # tokens per step up to which the kernel runs (measured above)
 _DTYPE_CODES = {torch.bfloat16: 1, torch.float32: 2}
 _NEEDS = {torch.bfloat16: ("avx512f", "avx512bw", "avx512_bf16"), torch.float32: ("avx2", "fma")}
@@ -53,17 +55,18 @@ def trace(on: bool) -> None:
     _traced = on
 
 
+def _runs(needs: tuple[str, ...] | None, device: torch.device | str) -> bool:
+    return needs is not None and torch.device(device).type == "cpu" and set(needs) <= cpu_flags()
+
+
 def supported(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
     """Whether this host runs the small-batch linear kernel for DTYPE (the CPU's instruction sets)."""
-    flags = cpu_flags()
-    return torch.device(device).type == "cpu" and dtype in _NEEDS and all(f in flags for f in _NEEDS[dtype])
+    return _runs(_NEEDS.get(dtype), device)
 
 
 def attention_supported(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
     """Whether this host runs the paged decode attention kernel for DTYPE."""
-    flags = cpu_flags()
-    return (torch.device(device).type == "cpu" and dtype in _DTYPE_CODES
-            and all(f in flags for f in _ATTENTION_NEEDS))
+    return _runs(_ATTENTION_NEEDS if dtype in _DTYPE_CODES else None, device)
 
 
 def compiler() -> str | None:
@@ -73,14 +76,19 @@ def compiler() -> str | None:
 def library_path() -> Path:
     """Where this source, compiled by this compiler for this host, lives (a new key rebuilds it)."""
     cxx = compiler() or "none"
-    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES))
+    key = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(KERNELS.glob("*.[ch]*"))))
     key.update(cxx.encode())
     key.update(" ".join(sorted(cpu_flags())).encode())
     return hotstart_home() / "kernels" / f"cpu-{key.hexdigest()[:16]}.so"
 
 
+def staging_path(path: Path) -> Path:
+    """The temporary name a build of PATH writes, then publishes (diskio.publish) as PATH."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
 def build_command(out: Path) -> list[str]:
-    """g++ writing the library to OUT (a temporary name: the caller renames it into place)."""
+    """g++ writing the library to OUT (staging_path(): the caller publishes it)."""
     return [compiler() or "g++", "-O3", "-fopenmp", "-shared", "-fPIC", "-o", str(out), *map(str, SOURCES)]
 
 
@@ -91,13 +99,13 @@ def build(timeout_s: float = 120.0) -> Path:
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = staging_path(path)
     try:
         done = subprocess.run(build_command(tmp), capture_output=True, text=True, timeout=timeout_s,
                               stdin=subprocess.DEVNULL)
         if done.returncode != 0:
             raise RuntimeError(f"g++ failed: {done.stderr.strip()[-500:]}")
-        os.replace(tmp, path)
+        publish(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     return path
@@ -121,10 +129,6 @@ def load(path: Path | str) -> None:
                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float,
                     ctypes.c_float, ctypes.c_int64]
     _lib, _fn = lib, fn
-
-
-def loaded() -> bool:
-    return _fn is not None
 
 
 def enable_attention(on: bool) -> None:
@@ -182,6 +186,11 @@ class Segments:
         if any(b is not None for b in self.biases):
             self._bs = (ctypes.c_void_p * count)(*[0 if b is None else b.data_ptr() for b in self.biases])
         self._count = count
+
+    @staticmethod
+    def fits(x: torch.Tensor) -> bool:
+        """Whether a call with X ([T, in]) is one the kernel takes: at most MAX_ROWS tokens."""
+        return x.dim() == 2 and x.shape[0] <= MAX_ROWS
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         # x: [M, in] -> [M, sum of outs] in OUT_DTYPE (the weights' by default; float32 for logits)

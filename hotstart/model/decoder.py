@@ -83,7 +83,7 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         # hidden: [N, hidden] -> logits: [N, vocab] float32 (tensor parallel: gathered on rank 0, else None)
-        if self.lm_head_gemv is not None and hidden.shape[0] <= cpu_kernels.MAX_ROWS:
+        if self.lm_head_gemv is not None and self.lm_head_gemv.fits(hidden):
             logits = self.lm_head_gemv(hidden, torch.float32)
         elif self.lm_head_prepacked is not None:
             logits = onednn.linear(hidden, self.lm_head_prepacked, None).float()

@@ -33,7 +33,7 @@ class Linear(nn.Module):
         self.gemv: cpu_kernels.Segments | None = None  # the small-batch kernel over weight, set between steps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv is not None and x.dim() == 2 and x.shape[0] <= cpu_kernels.MAX_ROWS:
+        if self.gemv is not None and self.gemv.fits(x):
             return self.gemv(x)
         if self.prepacked is not None:
             return onednn.linear(x, self.prepacked, self.bias)
@@ -50,12 +50,11 @@ class PackedGroup:
         self.prepacked = onednn.pack(torch.cat([m.weight for m in linears]))  # [sum of outs, in]
         biases = [m.bias for m in linears]
         self.bias = None if biases[0] is None else torch.cat(biases)
-        self.linears = linears
         self.gemv: cpu_kernels.Segments | None = None  # the small-batch kernel over the linears' own weights
 
     def stacked(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, sum of outs]: the projections' outputs side by side, in order
-        if self.gemv is not None and x.dim() == 2 and x.shape[0] <= cpu_kernels.MAX_ROWS:
+        if self.gemv is not None and self.gemv.fits(x):
             return self.gemv(x)
         return onednn.linear(x, self.prepacked, self.bias)
 

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from hotstart.diskio import home_writable
+from hotstart.diskio import home_writable, publish
 from hotstart.engine.fastpath.cache import (
     LayerSpec,
     cache_folder,
@@ -22,7 +22,7 @@ from hotstart.engine.fastpath.cache import (
     usable,
 )
 from hotstart.engine.fastpath.layer_graphs import LayerGraphForward
-from hotstart.engine.fastpath.pack import LM_HEAD, attach_gemv, pack_layer
+from hotstart.engine.fastpath.pack import LM_HEAD, install_kernels, pack_layer
 from hotstart.engine.fastpath.plan import compile_plan, kernel_plans, packing_plan
 from hotstart.engine.fastpath.state import Stage
 from hotstart.messages import BucketState, FastPathStatus, Span
@@ -50,7 +50,8 @@ class FastPath:
         self._todo: list[int] = []  # layers left to prepack, then LM_HEAD
         # hotstart's CPU kernels (model/cpu_kernels.py), settled with the packing stage
         self._gemv_why = self._attention_why = ""  # why not the small-batch / paged decode kernel
-        self._kernels_build: tuple[subprocess.Popen, Path, float] | None = None  # g++, its output, start
+        # g++, the staging file it writes, the library's path, when it started
+        self._kernels_build: tuple[subprocess.Popen, Path, Path, float] | None = None
         self._kernels_path: Path | None = None  # built, to load once the layers are prepacked
         self._pack_t0 = 0.0
         self.forward: LayerGraphForward | None = None  # installed as runner.compiled once compiling
@@ -77,8 +78,7 @@ class FastPath:
             if self.packing.state is S.PLANNED:
                 self._start_packing()
             if self.packing.state is S.PACKING:
-                if self._todo:
-                    self._pack(TICK_IDLE_S if idle else 0.0)
+                self._pack(TICK_IDLE_S if idle else 0.0)
                 self._kernels_tick()
             elif self.compile.state is S.PLANNED:
                 self._start_compiling()
@@ -93,7 +93,7 @@ class FastPath:
             terminate_then_kill([self.proc], 1.0)
             self.proc = None
         if self._kernels_build is not None:
-            proc, tmp, _ = self._kernels_build
+            proc, tmp, _, _ = self._kernels_build
             terminate_then_kill([proc], 1.0)
             tmp.unlink(missing_ok=True)
             self._kernels_build = None
@@ -139,11 +139,11 @@ class FastPath:
             self._kernels_failed("$HOTSTART_HOME takes no writes this run")
             return
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp = cpu_kernels.staging_path(path)
         with open(path.parent / "build.log", "ab") as log_file:
             proc = subprocess.Popen(cpu_kernels.build_command(tmp), stdin=subprocess.DEVNULL,
                                     stdout=subprocess.DEVNULL, stderr=log_file)
-        self._kernels_build = (proc, tmp, time.time())
+        self._kernels_build = (proc, tmp, path, time.time())
 
     def _kernels_failed(self, why: str) -> None:
         self._gemv_why = self._gemv_why or why
@@ -153,7 +153,7 @@ class FastPath:
     def _kernels_tick(self) -> None:
         """Poll g++; once the layers are prepacked, load the library, attach the kernels, settle the stage."""
         if self._kernels_build is not None:
-            proc, tmp, t0 = self._kernels_build
+            proc, tmp, path, t0 = self._kernels_build
             code = proc.poll()
             if code is None and time.time() - t0 < KERNELS_BUILD_TIMEOUT_S:
                 return
@@ -164,8 +164,7 @@ class FastPath:
             elif code != 0:
                 self._kernels_failed(f"g++ failed (code {code}, {tmp.parent}/build.log)")
             else:
-                path = cpu_kernels.library_path()
-                os.replace(tmp, path)
+                publish(tmp, path)
                 self._kernels_path = path
                 self.send(Span("CPU kernels built (g++)", t0, time.time(), "compiler", path.name))
             tmp.unlink(missing_ok=True)
@@ -174,13 +173,7 @@ class FastPath:
         notes = []
         if self._kernels_path is not None:
             try:
-                cpu_kernels.load(self._kernels_path)
-                if not self._gemv_why:
-                    notes.append(f"small-batch kernel on {attach_gemv(self.model)} linears "
-                                 f"(<= {cpu_kernels.MAX_ROWS} tokens)")
-                if not self._attention_why:
-                    cpu_kernels.enable_attention(True)
-                    notes.append("paged decode kernel")
+                notes = install_kernels(self.model, self._kernels_path, self._gemv_why, self._attention_why)
             except Exception as e:  # noqa: BLE001 - e.g. a library of another build: oneDNN serves on
                 self._kernels_failed(f"{type(e).__name__}: {e}")
                 notes = []

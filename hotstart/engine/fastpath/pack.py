@@ -68,3 +68,17 @@ def attach_gemv(model: CausalLM) -> int:
         model.lm_head_gemv = cpu_kernels.Segments([model.output_weight()], [None])
         calls += 1
     return calls
+
+
+def install_kernels(model: CausalLM, path, gemv_why: str, attention_why: str) -> list[str]:
+    """Load the CPU kernels' library built at PATH and put the kernels the plan allows to work (a reason
+    in GEMV_WHY / ATTENTION_WHY: that one stays off; plan.kernel_plans). -> what now runs, for the
+    packing stage's detail. The fast path (behind READY) and the step bench both install them here."""
+    cpu_kernels.load(path)
+    notes = []
+    if not gemv_why:
+        notes.append(f"small-batch kernel on {attach_gemv(model)} linears (<= {cpu_kernels.MAX_ROWS} tokens)")
+    cpu_kernels.enable_attention(not attention_why)
+    if not attention_why:
+        notes.append("paged decode kernel")
+    return notes

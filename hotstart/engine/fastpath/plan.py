@@ -65,13 +65,12 @@ def kernel_plans(core) -> tuple[str, str]:
         common = "tensor parallel"
     elif cpu_kernels.compiler() is None:
         common = f"no C++ compiler ({os.environ.get('CXX', 'g++')}) found"
-    off = ("0", "off", "false", "no")
-    gemv = common or (
-        "HOTSTART_GEMV=off" if os.environ.get("HOTSTART_GEMV", "").lower() in off
-        else "" if cpu_kernels.supported(p.dtype, p.device)
-        else f"no kernel for {p.device.type} {str(p.dtype)[6:]} on this CPU")
-    attention = common or (
-        "HOTSTART_DECODE_KERNEL=off" if os.environ.get("HOTSTART_DECODE_KERNEL", "").lower() in off
-        else "" if cpu_kernels.attention_supported(p.dtype, p.device)
-        else f"no kernel for {p.device.type} {str(p.dtype)[6:]} on this CPU")
-    return gemv, attention
+
+    def why(env: str, runs) -> str:  # the common reason, else ENV=off, else this CPU's, else "" (runs)
+        if common or os.environ.get(env, "").lower() in ("0", "off", "false", "no"):
+            return common or f"{env}=off"
+        cpu = f"no kernel for {p.device.type} {str(p.dtype)[6:]} on this CPU"
+        return "" if runs(p.dtype, p.device) else cpu
+
+    return (why("HOTSTART_GEMV", cpu_kernels.supported),
+            why("HOTSTART_DECODE_KERNEL", cpu_kernels.attention_supported))

@@ -10,12 +10,11 @@
 // slot = block * block_size + offset; block 0 is the null block. q, out: [B, H, D], the H query heads
 // of KV head g being g * G .. g * G + G - 1 (G = H / KVH).
 
-#include <immintrin.h>
 #include <math.h>
-#include <stdint.h>
-#include <string.h>
 
 #include <vector>
+
+#include "common.h"
 
 namespace {
 
@@ -28,31 +27,12 @@ __attribute__((target("avx2,fma"))) inline __m256 load8(const uint16_t *p) {  //
 }
 
 inline float to_f32(float v) { return v; }
-inline float to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+inline float to_f32(uint16_t h) { return hs::bf16_to_f32(h); }
 
 inline void store(float *p, float v) { *p = v; }
-inline void store(uint16_t *p, float f) {  // round to nearest even; NaN stays NaN
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) {
-        *p = (uint16_t)((u >> 16) | 0x40);
-        return;
-    }
-    u += 0x7fffu + ((u >> 16) & 1u);
-    *p = (uint16_t)(u >> 16);
-}
+inline void store(uint16_t *p, float v) { *p = hs::f32_to_bf16(v); }
 
-__attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+using hs::hsum256;
 
 // e^x for x <= 0 (softmax after subtracting the max), ~2 ulp: x = n ln2 + r, e^r by a degree-6
 // polynomial on |r| <= ln2 / 2, 2^n into the exponent; below -87 (e^x < 2^-126) it returns 0.
@@ -111,7 +91,7 @@ void one(const Args &a, int64_t b, int64_t g, std::vector<float> &scores, std::v
             const float *qh = qf + h * D;
             __m256 s8 = _mm256_setzero_ps();
             for (int64_t d = 0; d < D8; d += 8) s8 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), load8(k + d), s8);
-            float s = hsum(s8);
+            float s = hsum256(s8);
             for (int64_t d = D8; d < D; d++) s += qh[d] * to_f32(k[d]);
             s *= a.scale;
             if (a.softcap > 0) s = tanhf(s / a.softcap) * a.softcap;
@@ -131,7 +111,7 @@ void one(const Args &a, int64_t b, int64_t g, std::vector<float> &scores, std::v
             _mm256_storeu_ps(s + i, e);
             z8 = _mm256_add_ps(z8, e);
         }
-        float z = hsum(z8);
+        float z = hsum256(z8);
         for (; i < L; i++) {
             s[i] = expf(s[i] - m);
             z += s[i];

@@ -12,30 +12,18 @@
 // Built by hotstart/model/gemv.py with `g++ -O3 -fopenmp -shared`; the OpenMP runtime it links is the
 // one torch has already loaded (same soname), so torch.set_num_threads holds here too.
 
-#include <immintrin.h>
 #include <omp.h>
-#include <stdint.h>
-#include <string.h>
+
+#include "common.h"
 
 namespace {
 
 constexpr int64_t CHUNK = 16;  // rows of w per unit of parallel work
 constexpr int MAX_M = 4;       // rows of x per pass over a chunk (more: another pass, w from cache)
 
-inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch does; NaN stays NaN
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
+using hs::bf16_to_f32;
+using hs::f32_to_bf16;
+using hs::hsum256;
 
 struct Segment {
     const void *w;     // [n, k] row-major, row stride ldw elements
@@ -84,14 +72,6 @@ void rows_bf16(const uint16_t *x, int64_t K, const Segment &s, int64_t n0, int64
 }
 
 // ---- float32, AVX2 + FMA (any x86-64 of the last decade) -----------------------------------------
-__attribute__((target("avx2,fma")))
-inline float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 template <int MM>
 __attribute__((target("avx2,fma")))
 void rows_f32(const float *x, int64_t K, const Segment &s, int64_t n0, int64_t n1, void *out, int64_t ldo,
