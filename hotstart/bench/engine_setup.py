@@ -65,9 +65,9 @@ def _pack(core) -> float:
                             f"{p.device}")
     t = time.perf_counter()
     pack_model(core.runner.model)  # the engine's own loop (engine/fastpath/pack.py)
-    gemv_why, attention_why = kernel_plans(core)  # the CPU kernels where the engine runs them
-    if not gemv_why or not attention_why:
-        install_kernels(core.runner.model, cpu_kernels.build(), gemv_why, attention_why)
+    whys = kernel_plans(core)  # the CPU kernels where the engine runs them
+    if not all(whys):
+        install_kernels(core.runner.model, cpu_kernels.build(), whys)
     return time.perf_counter() - t
 
 

@@ -12,7 +12,8 @@ blocks    where a decode step's time goes without the profiler: wall time around
           decoder layer (CPU ops are synchronous, so a call's wall time is its cost; each wrapper adds
           ~1 us), by the layer's own split (attn_inputs: norm, q/k/v, RoPE; attend: KV write and
           paged attention; finish: o_proj, MLP, norms), the LM head, the model's forward and the step
-          around it (metadata, sampling, scheduling); every family has these methods
+          around it (metadata, sampling, scheduling); every family has these methods (a step the
+          layer ops take, model/layer_ops.py, times their three functions instead)
 """
 
 from __future__ import annotations
@@ -129,6 +130,12 @@ def _block_targets(core) -> list[tuple[str, object, str]]:
                                                core.runner, "forward"),
                ("model forward (embedding, layers, final norm)", model, "forward"),
                ("LM head", model, "compute_logits")]
+    if getattr(model, "layer_ops", False):  # steps of few tokens run model/layer_ops.py's functions instead
+        from hotstart.model import layer_ops
+
+        targets += [("layer ops: add + norm, q/k/v, RoPE + KV write (attn_inputs)", layer_ops, "attn_inputs"),
+                    ("layer ops: attention (attend)", layer_ops, "attend"),
+                    ("layer ops: o_proj, add + norm, MLP (finish)", layer_ops, "finish")]
     for layer in model.model.layers:
         targets += [("layer: norm + q/k/v + RoPE (attn_inputs)", layer, "attn_inputs"),
                     ("layer: KV write + attention (attend)", layer.self_attn, "attend"),
@@ -159,8 +166,9 @@ def blocks(bc: BenchCore, streams: int, context: int, steps: int) -> dict:
             finally:
                 total[label] = total.get(label, 0.0) + time.perf_counter() - t
 
+        own = name in vars(obj)  # a module's function (layer ops), not a class's method
         setattr(obj, name, timed)
-        wrapped.append((obj, name))
+        wrapped.append((obj, name, inner if own else None))
 
     targets = _block_targets(core)
     for label, obj, name in targets:
@@ -168,8 +176,11 @@ def blocks(bc: BenchCore, streams: int, context: int, steps: int) -> dict:
     try:
         timed_steps(core, steps)
     finally:
-        for obj, name in wrapped:
-            delattr(obj, name)  # the class's method again
+        for obj, name, own in wrapped:
+            if own is not None:
+                setattr(obj, name, own)
+            else:
+                delattr(obj, name)  # the class's method again
         drain(core)
     order = list(dict.fromkeys(label for label, _, _ in targets))
     rows = [{"block": k, "ms_per_step": total[k] * 1e3 / steps} for k in order if k in total]

@@ -4,7 +4,10 @@
   oneDNN's prepacked kernels read the weights at about half the memory bandwidth;
 - paged decode attention (kernels/decode_attention.cpp, `decode_attention`): one call per layer reads
   each sequence's keys and values in place through its block table, where the torch path gathers them
-  into fresh tensors and runs ~10 ops over them.
+  into fresh tensors and runs ~10 ops over them;
+- the small ops between a Llama-shaped layer's matmuls (kernels/layer_ops.cpp: `add_rmsnorm`, `rope_kv`,
+  `silu_mul`; model/layer_ops.py runs a step of few tokens through them): three calls where the torch
+  path runs ~15 ops, each over a few thousand numbers.
 
 Decode at one stream is bound by the weight read. Measured on the 2-vCPU AVX512-BF16 EPYC (one process,
 alternating rounds, the default model's 30 layers of shapes + its LM head, bf16): oneDNN prepacked 22-29
@@ -38,15 +41,17 @@ from hotstart.diskio import publish
 from hotstart.system import cpu_flags, hotstart_home
 
 KERNELS = Path(__file__).with_name("kernels")
-SOURCES = [KERNELS / name for name in ("gemv.cpp", "decode_attention.cpp")]  # compiled; common.h included
-MAX_ROWS = 3  # tokens per step up to which the kernel runs (measured above)
+# compiled (common.h included)
+SOURCES = [KERNELS / name for name in ("gemv.cpp", "decode_attention.cpp", "layer_ops.cpp")]
+MAX_ROWS = 4  # tokens per step up to which the kernel runs (measured above)
 _DTYPE_CODES = {torch.bfloat16: 1, torch.float32: 2}
 _NEEDS = {torch.bfloat16: ("avx512f", "avx512bw", "avx512_bf16"), torch.float32: ("avx2", "fma")}
-_ATTENTION_NEEDS = ("avx2", "fma")  # both dtypes (bf16 is widened to float32 in registers)
+_ATTENTION_NEEDS = ("avx2", "fma")  # both dtypes (bf16 is widened to float32 in registers); layer ops too
 
 _lib: ctypes.CDLL | None = None
 _fn = None
 _attention_fn = None  # set when the library is loaded and decode attention is enabled (enable_attention)
+_ops = None  # the library's layer ops (hs_add_rmsnorm, hs_rope_kv, hs_silu_mul), set by load()
 _traced = False  # calls show in torch's profiler (a ctypes call is no torch op): the step bench's profile
 
 
@@ -113,7 +118,7 @@ def build(timeout_s: float = 120.0) -> Path:
 
 def load(path: Path | str) -> None:
     """Load a built library (after torch: its OpenMP runtime is then torch's own)."""
-    global _lib, _fn
+    global _lib, _fn, _ops
     lib = ctypes.CDLL(str(path))
     if lib.hs_gemv_abi() != 1:
         raise RuntimeError(f"{path}: unknown kernel ABI")
@@ -128,7 +133,13 @@ def load(path: Path | str) -> None:
                     ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float,
                     ctypes.c_float, ctypes.c_int64]
-    _lib, _fn = lib, fn
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    for name, args in (("hs_add_rmsnorm", [ptr, ptr, ptr, ctypes.c_float, i64, i64, ptr, ptr]),
+                       ("hs_rope_kv", [ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr]),
+                       ("hs_silu_mul", [ptr, i64, i64, ptr])):
+        op = getattr(lib, name)
+        op.restype, op.argtypes = ctypes.c_int, [ctypes.c_int, *args]
+    _lib, _fn, _ops = lib, fn, lib
 
 
 def enable_attention(on: bool) -> None:
@@ -163,6 +174,51 @@ def _attention(fn, q, k_cache, v_cache, tables, context, block_size, scale, soft
             h, k_cache.shape[0], d, k_cache.stride(0), tables.data_ptr(), tables.shape[1], context.data_ptr(),
             block_size, scale, softcap or 0.0, window or 0)
     return out if rc == 0 else None
+
+
+def ops_loaded() -> bool:
+    """Whether the library (and so its layer ops) is loaded in this process."""
+    return _ops is not None
+
+
+def _check(rc: int, name: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"{name}: the kernel refused its arguments")
+
+
+def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, delta: [T, N] (delta None: x alone) -> (weight * rmsnorm(s), s) for s = x + delta: the residual
+    stream's add and the next RMSNorm in one call, rounded as layers.RMSNorm's ops round."""
+    out = torch.empty_like(x)
+    s = x if delta is None else torch.empty_like(x)
+    rc = _ops.hs_add_rmsnorm(_DTYPE_CODES[x.dtype], x.data_ptr(), None if delta is None else delta.data_ptr(),
+                             weight.data_ptr(), eps, x.shape[0], x.shape[1], out.data_ptr(), s.data_ptr())
+    _check(rc, "add_rmsnorm")
+    return out, s
+
+
+def rope_kv(y: torch.Tensor, heads: int, kv_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
+            slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """y: [T, (H + 2 KVH) D] (q | k | v, one projection's output), cos / sin: [T, 1, R] (the rotary tables at
+    the tokens' positions), slots: [T] long -> q: [T, H, D] rotated; k rotated and v written to their cache
+    slots ([KVH, slots, D] each), as layers.RotaryEmbedding.apply and Attention.attend do."""
+    t = y.shape[0]
+    q = y.new_empty(t, heads, head_dim)
+    rc = _ops.hs_rope_kv(_DTYPE_CODES[y.dtype], y.data_ptr(), t, y.stride(0), heads, kv_heads, head_dim,
+                         cos.shape[-1], cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(),
+                         v_cache.data_ptr(), k_cache.stride(0), q.data_ptr())
+    _check(rc, "rope_kv")
+    return q
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [T, 2 I] (gate | up) -> silu(gate) * up: [T, I]."""
+    t, n = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty(t, n)
+    _check(_ops.hs_silu_mul(_DTYPE_CODES[gate_up.dtype], gate_up.data_ptr(), t, n, out.data_ptr()),
+           "silu_mul")
+    return out
 
 
 class Segments:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hotstart.model import cpu_kernels, onednn
+from hotstart.model import cpu_kernels, layer_ops, onednn
 from hotstart.model.attention import AttnMetadata
 from hotstart.model.layers import DecoderLayer, Embedding, Linear, RMSNorm, RotaryEmbedding
 from hotstart.model_config import ModelConfig
@@ -55,6 +55,7 @@ class CausalLM(nn.Module):
         # oneDNN layout of output_weight(), set between steps (engine/fastpath/pack.py)
         self.lm_head_prepacked: torch.Tensor | None = None
         self.lm_head_gemv: cpu_kernels.Segments | None = None  # the small-batch kernel over output_weight()
+        self.layer_ops = False  # steps of few tokens through model/layer_ops.py (set with the CPU kernels)
         self.tp = None  # parallel.TensorParallel: this model is one rank's part (set by parallel.shard)
 
     def post_load(self, device: torch.device, dtype: torch.dtype) -> None:
@@ -73,6 +74,8 @@ class CausalLM(nn.Module):
         meta.cos, meta.sin = self.model.rotary.lookup(positions)
         if self.model.rotary_local is not None:
             meta.cos_local, meta.sin_local = self.model.rotary_local.lookup(positions)
+        if self.layer_ops and h.shape[0] <= layer_ops.MAX_TOKENS:
+            return layer_ops.forward(self, h, meta)
         for layer in self.model.layers:
             h = layer(h, meta)
         return self.model.norm(h)

@@ -8,7 +8,10 @@ import os
 import sys
 
 import pytest
+import torch
 from util import REPO, run_session
+
+from hotstart.model import cpu_kernels
 
 
 def hotstart_bench(verb: str, args: list[str], env: dict | None = None, timeout: float = 300):
@@ -37,25 +40,36 @@ def test_step_all_parts_on_one_core(tmp_path, default_model_dir):
     assert data["grammar"]["constrained_step_ms"]["median"] > 0
     assert "| op | calls/step | self ms/step | share |" in res.stdout and "x plain" in res.stdout
     blocks = {r["block"] for r in data["blocks"]["rows"]}
-    assert blocks >= {"step (all)", "LM head", "layer: KV write + attention (attend)"}
+    assert blocks >= {"step (all)", "LM head"}  # and the layers' blocks: the layer ops' where they run
+    assert blocks & {"layer: KV write + attention (attend)", "layer ops: attention (attend)"}
     assert "| block | ms per step |" in res.stdout
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2-moe", "olmo2"])
 def test_blocks_nest_and_leave_nothing_wrapped(tiny_checkpoint, family):
     """`--parts blocks` in the process: every block timed, the parts within their wholes, and the
-    engine's methods its own again afterwards (the wrappers live on instances only)."""
+    engine's methods its own again afterwards (the wrappers live on instances, or are put back on the
+    layer ops' module). Llama's steps take the layer ops where the CPU kernels run (model/layer_ops.py)."""
     from hotstart.bench import step_parts
     from hotstart.bench.engine_setup import build_core
+    from hotstart.model import layer_ops
 
+    own = {name: getattr(layer_ops, name) for name in ("attn_inputs", "attend", "finish")}
     bc = build_core(str(tiny_checkpoint(family)), "float32", "packed", batch=3, max_model_len=128)
+    ops = bc.core.runner.model.layer_ops
+    assert ops == (family == "llama" and not layer_ops.unsupported(bc.core.runner.model)
+                   and cpu_kernels.compiler() is not None and cpu_kernels.attention_supported(torch.float32))
     res = step_parts.blocks(bc, streams=3, context=9, steps=4)
     ms = {r["block"]: r["ms_per_step"] for r in res["rows"]}
-    assert all(v > 0 for v in ms.values()) and len(ms) == 9, ms
-    layers = sum(v for k, v in ms.items() if k.startswith("layer:"))
+    assert all(v > 0 for v in ms.values()) and len(ms) == (8 if ops else 9), ms
+    layers = sum(v for k, v in ms.items() if k.startswith("layer ops:" if ops else "layer:"))
     assert ms["step (all)"] >= ms["runner forward (metadata, model, logits, sampling)"] >= (
         ms["model forward (embedding, layers, final norm)"]) >= layers
-    assert ms["layer: o_proj + MLP + norms (finish)"] >= ms["  of which the MLP (or experts)"]
+    if ops:
+        assert ms["layer ops: o_proj, add + norm, MLP (finish)"] >= ms["  of which o_proj"]
+    else:
+        assert ms["layer: o_proj + MLP + norms (finish)"] >= ms["  of which the MLP (or experts)"]
+    assert all(getattr(layer_ops, name) is f for name, f in own.items())
     core = bc.core
     objs = [core, core.runner, core.runner.model, *core.runner.model.model.layers]
     objs += [m for layer in core.runner.model.model.layers for m in layer.modules()]

@@ -49,7 +49,7 @@ class FastPath:
         self.buckets = {b: Stage(f"bucket {b}") for b in planned}  # tokens -> its layer graph's state
         self._todo: list[int] = []  # layers left to prepack, then LM_HEAD
         # hotstart's CPU kernels (model/cpu_kernels.py), settled with the packing stage
-        self._gemv_why = self._attention_why = ""  # why not the small-batch / paged decode kernel
+        self._whys = ("", "", "")  # why not the small-batch kernel / paged decode kernel / layer ops
         # g++, the staging file it writes, the library's path, when it started
         self._kernels_build: tuple[subprocess.Popen, Path, Path, float] | None = None
         self._kernels_path: Path | None = None  # built, to load once the layers are prepacked
@@ -128,8 +128,8 @@ class FastPath:
     # ---- hotstart's CPU kernels (model/cpu_kernels.py) ------------------------------------------
     def _start_kernels(self) -> None:
         """Plan the kernels; start g++ in a child process if this host has not built the library."""
-        self._gemv_why, self._attention_why = kernel_plans(self.core)
-        if self._gemv_why and self._attention_why:
+        self._whys = kernel_plans(self.core)
+        if all(self._whys):
             return
         path = cpu_kernels.library_path()
         if path.exists():
@@ -146,8 +146,7 @@ class FastPath:
         self._kernels_build = (proc, tmp, path, time.time())
 
     def _kernels_failed(self, why: str) -> None:
-        self._gemv_why = self._gemv_why or why
-        self._attention_why = self._attention_why or why
+        self._whys = tuple(w or why for w in self._whys)
         log.error(f"hotstart: engine: no CPU kernels ({why}); oneDNN and torch serve every step")
 
     def _kernels_tick(self) -> None:
@@ -173,16 +172,20 @@ class FastPath:
         notes = []
         if self._kernels_path is not None:
             try:
-                notes = install_kernels(self.model, self._kernels_path, self._gemv_why, self._attention_why)
+                notes = install_kernels(self.model, self._kernels_path, self._whys)
             except Exception as e:  # noqa: BLE001 - e.g. a library of another build: oneDNN serves on
                 self._kernels_failed(f"{type(e).__name__}: {e}")
                 notes = []
             self._kernels_path = None
-        if self._gemv_why:
-            notes.append(f"no small-batch kernel: {self._gemv_why}")
-        if self._attention_why:
+        gemv_why, attention_why, ops_why = self._whys
+        if gemv_why:
+            notes.append(f"no small-batch kernel: {gemv_why}")
+        if attention_why:
             cpu_kernels.enable_attention(False)  # process-wide: off unless this engine's plan says on
-            notes.append(f"no paged decode kernel: {self._attention_why}")
+            notes.append(f"no paged decode kernel: {attention_why}")
+        if ops_why:
+            self.model.layer_ops = False
+            notes.append(f"no layer ops: {ops_why}")
         self.packing.move(S.PACKED, "; ".join([f"{self._pack_bytes / 1e6:.0f} MB", *notes]))
         self.send(Span("weights prepacked (oneDNN)", self._pack_t0, time.time(), "engine",
                        self.packing.detail))

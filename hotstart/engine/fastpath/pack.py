@@ -4,7 +4,7 @@ step bench (bench/engine_setup.py)."""
 
 from __future__ import annotations
 
-from hotstart.model import cpu_kernels, onednn
+from hotstart.model import cpu_kernels, layer_ops, onednn
 from hotstart.model.decoder import CausalLM
 from hotstart.model.layers import Linear, PackedGroup
 
@@ -70,10 +70,12 @@ def attach_gemv(model: CausalLM) -> int:
     return calls
 
 
-def install_kernels(model: CausalLM, path, gemv_why: str, attention_why: str) -> list[str]:
-    """Load the CPU kernels' library built at PATH and put the kernels the plan allows to work (a reason
-    in GEMV_WHY / ATTENTION_WHY: that one stays off; plan.kernel_plans). -> what now runs, for the
-    packing stage's detail. The fast path (behind READY) and the step bench both install them here."""
+def install_kernels(model: CausalLM, path, whys: tuple[str, str, str]) -> list[str]:
+    """Load the CPU kernels' library built at PATH and put the kernels the plan allows to work (WHYS:
+    plan.kernel_plans' reasons for the GEMV, the decode attention, the layer ops; a reason keeps that one
+    off). -> what now runs, for the packing stage's detail. The fast path (behind READY) and the step
+    bench both install them here."""
+    gemv_why, attention_why, ops_why = whys
     cpu_kernels.load(path)
     notes = []
     if not gemv_why:
@@ -81,4 +83,10 @@ def install_kernels(model: CausalLM, path, gemv_why: str, attention_why: str) ->
     cpu_kernels.enable_attention(not attention_why)
     if not attention_why:
         notes.append("paged decode kernel")
+    model.layer_ops = False
+    if not ops_why:  # the plan allows them: the model's layers decide
+        family_why = layer_ops.unsupported(model)
+        model.layer_ops = not family_why
+        on = f"layer ops (<= {layer_ops.MAX_TOKENS} tokens)"
+        notes.append(f"no layer ops: {family_why}" if family_why else on)
     return notes

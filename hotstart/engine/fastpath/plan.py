@@ -55,10 +55,11 @@ def compile_plan(core, mode: str, packing: bool) -> tuple[S, str]:
     return S.PLANNED, ""
 
 
-def kernel_plans(core) -> tuple[str, str]:
+def kernel_plans(core) -> tuple[str, str, str]:
     """Why hotstart's CPU kernels (model/cpu_kernels.py) do not run on this engine, "" where they do: the
-    small-batch linear kernel's, the paged decode attention kernel's. They come with the prepacked
-    weights (packing PLANNED); the library is built first where this host has not built it yet."""
+    small-batch linear kernel's, the paged decode attention kernel's, the layer ops' (model/layer_ops.py:
+    they also need a Llama-shaped model, checked when installed). They come with the prepacked weights
+    (packing PLANNED); the library is built first where this host has not built it yet."""
     p = core.placement
     common = ""
     if core.executor.world_size > 1:
@@ -73,4 +74,5 @@ def kernel_plans(core) -> tuple[str, str]:
         return "" if runs(p.dtype, p.device) else cpu
 
     return (why("HOTSTART_GEMV", cpu_kernels.supported),
-            why("HOTSTART_DECODE_KERNEL", cpu_kernels.attention_supported))
+            why("HOTSTART_DECODE_KERNEL", cpu_kernels.attention_supported),
+            why("HOTSTART_LAYER_OPS", cpu_kernels.attention_supported))

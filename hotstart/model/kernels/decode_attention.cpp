@@ -18,42 +18,11 @@
 
 namespace {
 
-// ---- vector helpers (AVX2 + FMA) -------------------------------------------------------------------
-__attribute__((target("avx2,fma"))) inline __m256 load8(const float *p) { return _mm256_loadu_ps(p); }
-
-__attribute__((target("avx2,fma"))) inline __m256 load8(const uint16_t *p) {  // 8 bf16 -> 8 float32
-    const __m128i h = _mm_loadu_si128((const __m128i *)p);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-inline float to_f32(float v) { return v; }
-inline float to_f32(uint16_t h) { return hs::bf16_to_f32(h); }
-
-inline void store(float *p, float v) { *p = v; }
-inline void store(uint16_t *p, float v) { *p = hs::f32_to_bf16(v); }
-
+using hs::exp8;
 using hs::hsum256;
-
-// e^x for x <= 0 (softmax after subtracting the max), ~2 ulp: x = n ln2 + r, e^r by a degree-6
-// polynomial on |r| <= ln2 / 2, 2^n into the exponent; below -87 (e^x < 2^-126) it returns 0.
-__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.0f);
-    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, lo);
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts: exact n * hi
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 720);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-}
+using hs::load8;
+using hs::store;
+using hs::to_f32;
 
 struct Args {
     const void *q;
