@@ -5,6 +5,8 @@
 - paged decode attention (kernels/decode_attention.cpp, `decode_attention`): one call per layer reads
   each sequence's keys and values in place through its block table, where the torch path gathers them
   into fresh tensors and runs ~10 ops over them;
+- linear layers of steps of MAX_ROWS + 1 to TILE_MAX_ROWS tokens in bf16 (kernels/tiles.cpp, `Tiles`, a
+  repacked copy of the weights), where oneDNN's prepacked kernels reach a third of the CPU's bf16 peak;
 - the small ops between a Llama-shaped layer's matmuls (kernels/layer_ops.cpp: `add_rmsnorm`, `rope_kv`,
   `silu_mul`; model/layer_ops.py runs a step of few tokens through them): three calls where the torch
   path runs ~15 ops, each over a few thousand numbers.
@@ -42,8 +44,14 @@ from hotstart.system import cpu_flags, hotstart_home
 
 KERNELS = Path(__file__).with_name("kernels")
 # compiled (common.h included)
-SOURCES = [KERNELS / name for name in ("gemv.cpp", "decode_attention.cpp", "layer_ops.cpp")]
+SOURCES = [KERNELS / name for name in ("gemv.cpp", "decode_attention.cpp", "layer_ops.cpp", "tiles.cpp")]
 MAX_ROWS = 4  # tokens per step up to which the kernel runs (measured above)
+TILE_MAX_ROWS = 48  # bf16: tokens per step up to which the tile kernel runs (docs/serving.md)
+# with the tile kernel's copy, the GEMV keeps steps of this many tokens only: in the engine (default model,
+# bf16, 200-token contexts, alternating) tiles and GEMV tie at 1 stream (15.5 ms a step), tiles win from 2
+# (15.6 vs 17.7 ms), 3 (18.0 vs 19.7), 4 (18.7 vs 23.7)
+GEMV_ROWS_WITH_TILES = 1
+_TILE_NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 _DTYPE_CODES = {torch.bfloat16: 1, torch.float32: 2}
 _NEEDS = {torch.bfloat16: ("avx512f", "avx512bw", "avx512_bf16"), torch.float32: ("avx2", "fma")}
 _ATTENTION_NEEDS = ("avx2", "fma")  # both dtypes (bf16 is widened to float32 in registers); layer ops too
@@ -67,6 +75,11 @@ def _runs(needs: tuple[str, ...] | None, device: torch.device | str) -> bool:
 def supported(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
     """Whether this host runs the small-batch linear kernel for DTYPE (the CPU's instruction sets)."""
     return _runs(_NEEDS.get(dtype), device)
+
+
+def tiles_supported(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
+    """Whether this host runs the tile kernel (bf16 only) for DTYPE."""
+    return dtype == torch.bfloat16 and _runs(_TILE_NEEDS, device)
 
 
 def attention_supported(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
@@ -133,12 +146,13 @@ def load(path: Path | str) -> None:
                     ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float,
                     ctypes.c_float, ctypes.c_int64]
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    for name, args in (("hs_add_rmsnorm", [ptr, ptr, ptr, ctypes.c_float, i64, i64, ptr, ptr]),
-                       ("hs_rope_kv", [ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr]),
-                       ("hs_silu_mul", [ptr, i64, i64, ptr])):
+    i64, ptr, code = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    for name, args in (("hs_add_rmsnorm", [code, ptr, ptr, ptr, ctypes.c_float, i64, i64, ptr, ptr]),
+                       ("hs_rope_kv", [code, ptr, *[i64] * 6, *[ptr] * 5, i64, ptr]),
+                       ("hs_silu_mul", [code, ptr, i64, i64, ptr]),
+                       ("hs_tiles", [ptr, i64, i64, ptr, i64, ptr, ptr, i64, ctypes.c_int])):
         op = getattr(lib, name)
-        op.restype, op.argtypes = ctypes.c_int, [ctypes.c_int, *args]
+        op.restype, op.argtypes = ctypes.c_int, args
     _lib, _fn, _ops = lib, fn, lib
 
 
@@ -221,11 +235,42 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+class Tiles:
+    """The weights (and biases) of one call repacked for kernels/tiles.cpp: [N/64][K/2][64][2] bf16, N
+    padded to 64 and K to even with zeros (a copy the size of the weights)."""
+
+    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None]):
+        w = weights[0] if len(weights) == 1 else torch.cat(weights)  # [N, K]
+        n, k = w.shape
+        n_pad, k_pad = -(-n // 64) * 64, k + k % 2
+        padded = torch.zeros(n_pad, k_pad, dtype=w.dtype)
+        padded[:n, :k] = w
+        self.packed = padded.view(n_pad // 64, 64, k_pad // 2, 2).transpose(1, 2).contiguous()
+        self.n, self.k = n, k
+        self.bias = None
+        if any(b is not None for b in biases):
+            self.bias = torch.cat([torch.zeros(wi.shape[0], dtype=w.dtype) if b is None else b.to(w.dtype)
+                                   for wi, b in zip(weights, biases, strict=True)]).contiguous()
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        # x: [M, K] bf16 contiguous -> [M, N] in OUT_DTYPE (bf16 or float32)
+        out = torch.empty(x.shape[0], self.n, dtype=out_dtype)
+        rc = _ops.hs_tiles(x.data_ptr(), x.shape[0], self.k, self.packed.data_ptr(), self.n,
+                           None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), self.n,
+                           int(out_dtype == torch.float32))
+        _check(rc, "tiles")
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes
+
+
 class Segments:
     """The [out_i, in] weights (and biases) one call multiplies, side by side in its output: built once
     per module (the pointer arrays are the call's arguments; the tensors are kept alive here)."""
 
-    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None]):
+    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None], tiles: bool = False):
         w0 = weights[0]
         for w in weights:
             if w.dtype != w0.dtype or w.dim() != 2 or w.shape[1] != w0.shape[1] or w.stride(1) != 1:
@@ -242,11 +287,13 @@ class Segments:
         if any(b is not None for b in self.biases):
             self._bs = (ctypes.c_void_p * count)(*[0 if b is None else b.data_ptr() for b in self.biases])
         self._count = count
+        # steps of MAX_ROWS + 1 .. TILE_MAX_ROWS tokens: the tile kernel over a repacked copy (bf16)
+        self.tiles = Tiles(weights, self.biases) if tiles else None
 
-    @staticmethod
-    def fits(x: torch.Tensor) -> bool:
-        """Whether a call with X ([T, in]) is one the kernel takes: at most MAX_ROWS tokens."""
-        return x.dim() == 2 and x.shape[0] <= MAX_ROWS
+    def fits(self, x: torch.Tensor) -> bool:
+        """Whether a call with X ([T, in]) is one the kernels take: at most MAX_ROWS tokens, or
+        TILE_MAX_ROWS with the tile kernel's copy."""
+        return x.dim() == 2 and x.shape[0] <= (MAX_ROWS if self.tiles is None else TILE_MAX_ROWS)
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         # x: [M, in] -> [M, sum of outs] in OUT_DTYPE (the weights' by default; float32 for logits)
@@ -261,6 +308,8 @@ class Segments:
         if not x.is_contiguous():
             x = x.contiguous()
         out_dtype = out_dtype or self.dtype
+        if self.tiles is not None and x.shape[0] > GEMV_ROWS_WITH_TILES:
+            return self.tiles(x, out_dtype)
         out = torch.empty(x.shape[0], self.n, dtype=out_dtype)
         rc = _fn(self.code, x.data_ptr(), x.shape[0], self.k, self._count, self._ws, self._lds, self._ns,
                  self._bs, out.data_ptr(), self.n, int(out_dtype == torch.float32))

@@ -39,15 +39,19 @@ def pack_model(model: CausalLM) -> None:
 
 
 def prepacked_bytes(model: CausalLM) -> int:
-    """What the prepacked copies take: the size of every decoder layer's linear weights and the LM head's."""
+    """What the prepacked copies take: the size of every decoder layer's linear weights and the LM head's,
+    twice where the tile kernel's copies come too (bf16 on an AVX512-BF16 CPU: attach_gemv)."""
     linears = sum(m.weight.nbytes for m in model.model.layers.modules() if isinstance(m, Linear))
-    return linears + model.output_weight().nbytes
+    head = model.output_weight()
+    copies = 2 if cpu_kernels.tiles_supported(head.dtype, head.device) else 1
+    return copies * (linears + head.nbytes)
 
 
-def attach_gemv(model: CausalLM) -> int:
+def attach_gemv(model: CausalLM, tiles: bool = False) -> int:
     """Let the small-batch kernel (model/cpu_kernels.py, loaded) run every linear layer's and the LM head's
     steps of few tokens, over their own weights: a PackedGroup's projections as one call, the other
-    linears one each (a weight the kernel cannot read, e.g. with strided rows, keeps oneDNN). Returns how
+    linears one each (a weight the kernel cannot read, e.g. with strided rows, keeps oneDNN); with TILES,
+    steps of up to TILE_MAX_ROWS tokens too, over a repacked copy each (cpu_kernels.Tiles). Returns how
     many modules it serves."""
     calls = 0
     in_groups: set[int] = set()
@@ -57,15 +61,15 @@ def attach_gemv(model: CausalLM) -> int:
             group = getattr(m, attr)
             if group is not None and all(lin.weight.stride(-1) == 1 for lin in linears):
                 weights, biases = [lin.weight for lin in linears], [lin.bias for lin in linears]
-                group.gemv = cpu_kernels.Segments(weights, biases)
+                group.gemv = cpu_kernels.Segments(weights, biases, tiles)
                 in_groups.update(id(lin) for lin in linears)
                 calls += 1
     for m in modules:
         if isinstance(m, Linear) and id(m) not in in_groups and m.weight.stride(-1) == 1:
-            m.gemv = cpu_kernels.Segments([m.weight], [m.bias])
+            m.gemv = cpu_kernels.Segments([m.weight], [m.bias], tiles)
             calls += 1
     if model.output_weight().stride(-1) == 1:
-        model.lm_head_gemv = cpu_kernels.Segments([model.output_weight()], [None])
+        model.lm_head_gemv = cpu_kernels.Segments([model.output_weight()], [None], tiles)
         calls += 1
     return calls
 
@@ -79,7 +83,10 @@ def install_kernels(model: CausalLM, path, whys: tuple[str, str, str]) -> list[s
     cpu_kernels.load(path)
     notes = []
     if not gemv_why:
-        notes.append(f"small-batch kernel on {attach_gemv(model)} linears (<= {cpu_kernels.MAX_ROWS} tokens)")
+        weight = model.output_weight()
+        tiles = cpu_kernels.tiles_supported(weight.dtype, weight.device)
+        upto = cpu_kernels.TILE_MAX_ROWS if tiles else cpu_kernels.MAX_ROWS
+        notes.append(f"small-batch kernels on {attach_gemv(model, tiles)} linears (<= {upto} tokens)")
     cpu_kernels.enable_attention(not attention_why)
     if not attention_why:
         notes.append("paged decode kernel")
