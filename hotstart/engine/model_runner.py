@@ -130,7 +130,7 @@ class ModelRunner:
             tokens = self._tensor([offsets[i] + j for i, n in zip(entries, lens) for j in range(n)])
         dev = self.device
         return PrefillGroup(tokens, q_index.to(dev), q_valid.to(dev), tables, mask[:, None].to(dev),
-                            q_pos=q_pos.to(dev))  # sliding windows: AttnMetadata.window
+                            q_pos=q_pos.to(dev), from_zero=not any(starts))  # windows: AttnMetadata.window
 
     @torch.inference_mode()
     def forward(self, batch: list[tuple[Sequence, int]], want_logits: list[bool],
