@@ -45,17 +45,21 @@ class PackedGroup:
     one oneDNN call instead of one per projection (engine/fastpath/pack.py builds it). The prepacked copy
     costs what the separate ones did; the checkpoint's views stay for the plain path and the loader."""
 
-    def __init__(self, linears: list[Linear]):
+    def __init__(self, linears: list[Linear], copy: bool = True):
         self.split_sizes = [m.weight.shape[0] for m in linears]
-        self.prepacked = onednn.pack(torch.cat([m.weight for m in linears]))  # [sum of outs, in]
+        # [sum of outs, in]; None: no copy (it would not fit), each projection then multiplies its own
+        self.prepacked = onednn.pack(torch.cat([m.weight for m in linears])) if copy else None
         biases = [m.bias for m in linears]
-        self.bias = None if biases[0] is None else torch.cat(biases)
+        self.bias = None if biases[0] is None or not copy else torch.cat(biases)
+        self.linears = linears if not copy else []
         self.gemv: cpu_kernels.Segments | None = None  # the small-batch kernel over the linears' own weights
 
     def stacked(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, sum of outs]: the projections' outputs side by side, in order
         if self.gemv is not None and self.gemv.fits(x):
             return self.gemv(x)
+        if self.prepacked is None:
+            return torch.cat([m(x) for m in self.linears], dim=-1)
         return onednn.linear(x, self.prepacked, self.bias)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:

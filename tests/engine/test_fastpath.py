@@ -153,16 +153,38 @@ def test_sibling_projections_packed_as_one_equal_plain_in_float32(family, tiny_c
     assert (packed - exact).abs().max().item() < 1e-4 * exact.abs().max().item()
 
 
-def test_auto_packs_where_it_fits_and_compiles_where_it_does_not(tiny_checkpoint, monkeypatch):
+def test_auto_packs_where_it_fits_and_else_groups_for_the_kernels_or_compiles(tiny_checkpoint, monkeypatch):
+    """Where the prepacked copies fit: packed. Where they do not: the CPU kernels over the checkpoint's own
+    weights (no copy made; greedy tokens those of the plain path), or, without them (no compiler or no
+    AVX2), the layer graphs."""
     from hotstart.engine.fastpath import plan
+    from hotstart.model import cpu_kernels
+    from hotstart.model.layers import Linear
 
     core = _core(tiny_checkpoint("llama"))
+    greedy = greedy_batch(core)
     fast = FastPath(core, "auto", (8,), lambda m: None)
     status = fast.status()
     assert status.packing is S.PLANNED and status.compile is S.OFF, status
     assert status.compile_detail.startswith("the prepacked weights"), status
     monkeypatch.setattr(plan, "mem_available", lambda: 1000)  # the prepacked copies cannot fit
-    status = FastPath(core, "auto", (8,), lambda m: None).status()
+    fast = FastPath(core, "auto", (8,), lambda m: None)
+    status = fast.status()
+    if cpu_kernels.compiler() is not None and cpu_kernels.attention_supported(torch.float32):
+        assert status.packing is S.PLANNED and status.compile is S.OFF and not status.buckets, status
+        deadline = time.monotonic() + 300
+        while fast.busy() and time.monotonic() < deadline:
+            fast.tick(idle=True)
+        status = fast.status()
+        assert status.packing is S.PACKED, status
+        assert status.packing_detail.startswith("no copies: prepacked weights"), status
+        assert "small-batch kernels on" in status.packing_detail and "layer ops" in status.packing_detail
+        model = core.runner.model
+        assert model.lm_head_prepacked is None and model.layer_ops
+        assert all(m.prepacked is None for m in model.modules() if isinstance(m, Linear))
+        assert all(layer.self_attn.packed_qkv.prepacked is None for layer in model.model.layers)
+        assert greedy_batch(core) == greedy
+        return
     assert status.packing is S.OFF and status.packing_detail.startswith("prepacked weights"), status
     no_cxx = (S.OFF, "no C++ compiler (g++) found")
     assert (status.compile, status.compile_detail) in ((S.PLANNED, ""), no_cxx)

@@ -42,7 +42,10 @@ class FastPath:
         self.core, self.runner, self.mode, self.send = core, core.runner, mode, send
         self.model = self.runner.model
         state, why, self._pack_bytes = packing_plan(core, mode)
-        self.packing = Stage("packing", state, why)
+        # PLANNED with a why: grouped for the CPU kernels without oneDNN's copies (they would not fit)
+        self._copies = not (state is S.PLANNED and why)
+        self._no_copies_why = "" if self._copies else why
+        self.packing = Stage("packing", state, "" if state is S.PLANNED else why)
         state, why = compile_plan(core, mode, packing=self.packing.state is S.PLANNED)
         self.compile = Stage("compile", state, why)
         planned = sorted(set(buckets)) if self.compile.pending() else []
@@ -120,7 +123,7 @@ class FastPath:
         end = time.perf_counter() + budget_s
         while self._todo:
             index = self._todo.pop(0)
-            pack_layer(self.model, index)
+            pack_layer(self.model, index, self._copies)
             self.core.executor.pack_on_peers(index)  # tensor parallel: each rank prepacks its own shards
             if time.perf_counter() >= end:
                 break
@@ -172,7 +175,7 @@ class FastPath:
         notes = []
         if self._kernels_path is not None:
             try:
-                notes = install_kernels(self.model, self._kernels_path, self._whys)
+                notes = install_kernels(self.model, self._kernels_path, self._whys, self._copies)
             except Exception as e:  # noqa: BLE001 - e.g. a library of another build: oneDNN serves on
                 self._kernels_failed(f"{type(e).__name__}: {e}")
                 notes = []
@@ -186,7 +189,8 @@ class FastPath:
         if ops_why:
             self.model.layer_ops = False
             notes.append(f"no layer ops: {ops_why}")
-        self.packing.move(S.PACKED, "; ".join([f"{self._pack_bytes / 1e6:.0f} MB", *notes]))
+        size = f"{self._pack_bytes / 1e6:.0f} MB" if self._copies else self._no_copies_why
+        self.packing.move(S.PACKED, "; ".join([size, *notes]))
         self.send(Span("weights prepacked (oneDNN)", self._pack_t0, time.time(), "engine",
                        self.packing.detail))
         self._dirty = True

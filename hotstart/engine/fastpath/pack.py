@@ -11,12 +11,13 @@ from hotstart.model.layers import Linear, PackedGroup
 LM_HEAD = -1  # pack_layer's index of the LM head
 
 
-def pack_layer(model: CausalLM, layer: int) -> None:
+def pack_layer(model: CausalLM, layer: int, copies: bool = True) -> None:
     """Prepack the linear weights of decoder layer LAYER (LM_HEAD: the LM head's, tied or not) once: a
     copy each, [out, in] in oneDNN's blocked layout, that Linear.forward then multiplies with; sibling
-    projections of one input (a module's pack_groups(): q/k/v, gate/up) as one stacked copy instead."""
+    projections of one input (a module's pack_groups(): q/k/v, gate/up) as one stacked copy instead.
+    Without COPIES (they would not fit: plan.packing_plan) only the groups, for the CPU kernels."""
     if layer == LM_HEAD:
-        if model.lm_head_prepacked is None:
+        if model.lm_head_prepacked is None and copies:
             model.lm_head_prepacked = onednn.pack(model.output_weight())
         return
     modules = list(model.model.layers[layer].modules())
@@ -24,10 +25,10 @@ def pack_layer(model: CausalLM, layer: int) -> None:
     for m in modules:
         for attr, linears in (m.pack_groups() if hasattr(m, "pack_groups") else {}).items():
             if getattr(m, attr) is None:
-                setattr(m, attr, PackedGroup(linears))
+                setattr(m, attr, PackedGroup(linears, copies))
             in_groups.update(id(linear) for linear in linears)
     for m in modules:
-        if isinstance(m, Linear) and m.prepacked is None and id(m) not in in_groups:
+        if copies and isinstance(m, Linear) and m.prepacked is None and id(m) not in in_groups:
             m.prepacked = onednn.pack(m.weight)
 
 
@@ -74,17 +75,17 @@ def attach_gemv(model: CausalLM, tiles: bool = False) -> int:
     return calls
 
 
-def install_kernels(model: CausalLM, path, whys: tuple[str, str, str]) -> list[str]:
+def install_kernels(model: CausalLM, path, whys: tuple[str, str, str], copies: bool = True) -> list[str]:
     """Load the CPU kernels' library built at PATH and put the kernels the plan allows to work (WHYS:
     plan.kernel_plans' reasons for the GEMV, the decode attention, the layer ops; a reason keeps that one
-    off). -> what now runs, for the packing stage's detail. The fast path (behind READY) and the step
-    bench both install them here."""
+    off; without COPIES, no tile kernel: its copies would not fit). -> what now runs, for the packing
+    stage's detail. The fast path (behind READY) and the step bench both install them here."""
     gemv_why, attention_why, ops_why = whys
     cpu_kernels.load(path)
     notes = []
     if not gemv_why:
         weight = model.output_weight()
-        tiles = cpu_kernels.tiles_supported(weight.dtype, weight.device)
+        tiles = copies and cpu_kernels.tiles_supported(weight.dtype, weight.device)
         upto = cpu_kernels.TILE_MAX_ROWS if tiles else cpu_kernels.MAX_ROWS
         notes.append(f"small-batch kernels on {attach_gemv(model, tiles)} linears (<= {upto} tokens)")
     cpu_kernels.enable_attention(not attention_why)

@@ -19,7 +19,11 @@ PACK_RAM_FRACTION = 0.5  # prepack only if the copies take at most this share of
 
 
 def packing_plan(core, mode: str) -> tuple[S, str, int]:
-    """(PLANNED or OFF, why OFF, bytes the prepacked copies will take)."""
+    """(PLANNED or OFF, why OFF (PLANNED: why without copies, or ""), bytes the prepacked copies will take).
+
+    Where the copies would not fit in memory (a 7B model on a small host) but hotstart's CPU kernels run,
+    the stage is PLANNED without copies (bytes 0): the GEMV, the decode attention and the layer ops read
+    the checkpoint's own weights, and the layers' sibling projections are grouped for them (pack.py)."""
     p, model, ranks = core.placement, core.runner.model, core.executor.world_size
     if mode in ("off", "graphs"):
         return S.OFF, f"--compile {mode}", 0
@@ -30,8 +34,12 @@ def packing_plan(core, mode: str) -> tuple[S, str, int]:
     need = prepacked_bytes(model) * ranks  # ranks share the RAM
     avail = mem_available()
     if avail is not None and need > PACK_RAM_FRACTION * avail:
-        return S.OFF, (f"prepacked weights ({need / 1e9:.1f} GB) would take over "
-                       f"{PACK_RAM_FRACTION:.0%} of MemAvailable ({avail / 1e9:.1f} GB)"), 0
+        why = (f"prepacked weights ({need / 1e9:.1f} GB) would take over {PACK_RAM_FRACTION:.0%} of "
+               f"MemAvailable ({avail / 1e9:.1f} GB)")
+        kernels = cpu_kernels.compiler() is not None and cpu_kernels.attention_supported(p.dtype, p.device)
+        if ranks == 1 and kernels:
+            return S.PLANNED, f"no copies: {why}", 0
+        return S.OFF, why, 0
     return S.PLANNED, "", need
 
 
