@@ -56,18 +56,19 @@ def build_core(model: str | None, dtype: str = "auto", fast_path: str = "off", b
 def _pack(core) -> float:
     from hotstart.engine.fastpath import pack_model
     from hotstart.engine.fastpath.pack import install_kernels
-    from hotstart.engine.fastpath.plan import kernel_plans
-    from hotstart.model import cpu_kernels, onednn
+    from hotstart.engine.fastpath.plan import kernel_plans, packing_plan
+    from hotstart.messages import FastPathState as S
+    from hotstart.model import cpu_kernels
 
-    p = core.placement
-    if not onednn.available(p.device, p.dtype):
-        raise HotstartError(f"--fast-path packed: oneDNN prepacking is not available for {p.dtype} on "
-                            f"{p.device}")
+    state, why, _ = packing_plan(core, "eager-only")  # as the engine plans it: copies where they fit
+    if state is not S.PLANNED:
+        raise HotstartError(f"--fast-path packed: {why}")
+    copies = not why  # PLANNED with a why: the CPU kernels over the checkpoint's weights, no copies
     t = time.perf_counter()
-    pack_model(core.runner.model)  # the engine's own loop (engine/fastpath/pack.py)
+    pack_model(core.runner.model, copies)  # the engine's own loop (engine/fastpath/pack.py)
     whys = kernel_plans(core)  # the CPU kernels where the engine runs them
     if not all(whys):
-        install_kernels(core.runner.model, cpu_kernels.build(), whys)
+        install_kernels(core.runner.model, cpu_kernels.build(), whys, copies)
     return time.perf_counter() - t
 
 

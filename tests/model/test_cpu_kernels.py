@@ -42,12 +42,13 @@ def _home(tmp_path_factory, monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_kernel_equals_a_float64_matmul(dtype):
     """Rows 1-5 (5: a second pass over the weights), widths not a multiple of the vector (33, 100) and
-    one that is (576), three segments side by side with and without biases, a weight whose rows are a
-    view of a wider tensor, float32 or bf16 out."""
+    one that is (576), rows too long for 4 rows of x in L1 (5,000: taken in pieces), three segments side
+    by side with and without biases, a weight whose rows are a view of a wider tensor, float32 or bf16
+    out."""
     _needs(dtype)
     cpu_kernels.load(cpu_kernels.build())
     g = torch.Generator().manual_seed(0)
-    for k in (33, 100, 576):
+    for k in (33, 100, 576, 5000):
         wide = torch.randn(21, k + 7, generator=g).to(dtype)
         weights = [torch.randn(37, k, generator=g).to(dtype), wide[:, 3:3 + k],
                    torch.randn(5, k, generator=g).to(dtype)]

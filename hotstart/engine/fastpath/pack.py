@@ -32,11 +32,11 @@ def pack_layer(model: CausalLM, layer: int, copies: bool = True) -> None:
             m.prepacked = onednn.pack(m.weight)
 
 
-def pack_model(model: CausalLM) -> None:
+def pack_model(model: CausalLM, copies: bool = True) -> None:
     """Every layer, then the LM head (what the fast path does a layer per step gap)."""
     for layer in range(len(model.model.layers)):
-        pack_layer(model, layer)
-    pack_layer(model, LM_HEAD)
+        pack_layer(model, layer, copies)
+    pack_layer(model, LM_HEAD, copies)
 
 
 def prepacked_bytes(model: CausalLM) -> int:
