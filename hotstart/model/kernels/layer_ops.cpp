@@ -99,7 +99,8 @@ void silu_mul(const T *gu, int64_t rows, int64_t n, T *out) {
         for (int64_t i = 0; i < n8; i += 8) {
             // sigmoid from e^-|x| <= 1 (no overflow): 1 / (1 + e) for x >= 0, e / (1 + e) below
             const __m256 x = hs::load8(g + i);
-            const __m256 e = hs::exp8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x)));
+            const __m256 minus_abs = _mm256_or_ps(x, _mm256_set1_ps(-0.0f));  // -|x|
+            const __m256 e = hs::exp8(minus_abs);
             const __m256 num = _mm256_blendv_ps(_mm256_set1_ps(1.0f), e, x);  // x's sign bit picks e
             _mm256_storeu_ps(sig, _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
             for (int k = 0; k < 8; k++) {
