@@ -3,7 +3,9 @@
 The engine answers at once on the plain eager path (zero-copy weights, F.linear). Then, a little at a
 time between steps (everything at once while idle), FastPath (builder.py):
   1. packing (--compile eager-only, auto): prepacks the linear weights for oneDNN (pack.py, the one
-     pack_layer() every rank and the step bench use), layer by layer, where the copies fit in memory;
+     pack_layer() every rank and the step bench use), layer by layer, where the copies fit in memory
+     (else, where hotstart's CPU kernels run, only groups the sibling projections for them), then
+     installs the CPU kernels (model/cpu_kernels.py, model/layer_ops.py);
   2. compile (--compile graphs; auto where the weights were not prepacked; a C++ compiler present,
      CPU): loads the layer graphs (layer_graphs.py: the model's own decoder layer around its paged
      attention, compiled by AOTInductor per token bucket) from the compile cache (cache.py) and starts
