@@ -53,8 +53,8 @@ class EngineConfig:
     seed: int = option(0, "seed of the sampler's default generator", type=int)
     compile: str = option(
         "auto", "the fast path, built behind READY: auto = oneDNN-packed weights where their copy fits in "
-                "memory (and hotstart's CPU kernels), else the CPU kernels alone over the checkpoint's weights, "
-                "else compiled layer graphs where a C++ compiler exists (CPU); eager-only = packed "
+                "memory (and hotstart's CPU kernels), else the CPU kernels alone over the checkpoint's "
+                "weights, else compiled layer graphs where a C++ compiler exists (CPU); eager-only = packed "
                 "weights, never a compiler; graphs = compiled graphs over the plain weights; off = the plain "
                 "eager path only",
         choices=["auto", "eager-only", "graphs", "off"], env="HOTSTART_COMPILE")

@@ -59,7 +59,6 @@ _ATTENTION_NEEDS = ("avx2", "fma")  # both dtypes (bf16 is widened to float32 in
 _lib: ctypes.CDLL | None = None
 _fn = None
 _attention_fn = None  # set when the library is loaded and decode attention is enabled (enable_attention)
-_ops = None  # the library's layer ops (hs_add_rmsnorm, hs_rope_kv, hs_silu_mul), set by load()
 _traced = False  # calls show in torch's profiler (a ctypes call is no torch op): the step bench's profile
 
 
@@ -131,7 +130,7 @@ def build(timeout_s: float = 120.0) -> Path:
 
 def load(path: Path | str) -> None:
     """Load a built library (after torch: its OpenMP runtime is then torch's own)."""
-    global _lib, _fn, _ops
+    global _lib, _fn
     lib = ctypes.CDLL(str(path))
     if lib.hs_gemv_abi() != 1:
         raise RuntimeError(f"{path}: unknown kernel ABI")
@@ -153,7 +152,7 @@ def load(path: Path | str) -> None:
                        ("hs_tiles", [ptr, i64, i64, ptr, i64, ptr, ptr, i64, ctypes.c_int])):
         op = getattr(lib, name)
         op.restype, op.argtypes = ctypes.c_int, args
-    _lib, _fn, _ops = lib, fn, lib
+    _lib, _fn = lib, fn
 
 
 def enable_attention(on: bool) -> None:
@@ -190,11 +189,6 @@ def _attention(fn, q, k_cache, v_cache, tables, context, block_size, scale, soft
     return out if rc == 0 else None
 
 
-def ops_loaded() -> bool:
-    """Whether the library (and so its layer ops) is loaded in this process."""
-    return _ops is not None
-
-
 def _check(rc: int, name: str) -> None:
     if rc != 0:
         raise RuntimeError(f"{name}: the kernel refused its arguments")
@@ -206,7 +200,7 @@ def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tenso
     stream's add and the next RMSNorm in one call, rounded as layers.RMSNorm's ops round."""
     out = torch.empty_like(x)
     s = x if delta is None else torch.empty_like(x)
-    rc = _ops.hs_add_rmsnorm(_DTYPE_CODES[x.dtype], x.data_ptr(), None if delta is None else delta.data_ptr(),
+    rc = _lib.hs_add_rmsnorm(_DTYPE_CODES[x.dtype], x.data_ptr(), None if delta is None else delta.data_ptr(),
                              weight.data_ptr(), eps, x.shape[0], x.shape[1], out.data_ptr(), s.data_ptr())
     _check(rc, "add_rmsnorm")
     return out, s
@@ -219,7 +213,7 @@ def rope_kv(y: torch.Tensor, heads: int, kv_heads: int, head_dim: int, cos: torc
     slots ([KVH, slots, D] each), as layers.RotaryEmbedding.apply and Attention.attend do."""
     t = y.shape[0]
     q = y.new_empty(t, heads, head_dim)
-    rc = _ops.hs_rope_kv(_DTYPE_CODES[y.dtype], y.data_ptr(), t, y.stride(0), heads, kv_heads, head_dim,
+    rc = _lib.hs_rope_kv(_DTYPE_CODES[y.dtype], y.data_ptr(), t, y.stride(0), heads, kv_heads, head_dim,
                          cos.shape[-1], cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(),
                          v_cache.data_ptr(), k_cache.stride(0), q.data_ptr())
     _check(rc, "rope_kv")
@@ -230,7 +224,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up: [T, 2 I] (gate | up) -> silu(gate) * up: [T, I]."""
     t, n = gate_up.shape[0], gate_up.shape[1] // 2
     out = gate_up.new_empty(t, n)
-    _check(_ops.hs_silu_mul(_DTYPE_CODES[gate_up.dtype], gate_up.data_ptr(), t, n, out.data_ptr()),
+    _check(_lib.hs_silu_mul(_DTYPE_CODES[gate_up.dtype], gate_up.data_ptr(), t, n, out.data_ptr()),
            "silu_mul")
     return out
 
@@ -255,7 +249,7 @@ class Tiles:
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         # x: [M, K] bf16 contiguous -> [M, N] in OUT_DTYPE (bf16 or float32)
         out = torch.empty(x.shape[0], self.n, dtype=out_dtype)
-        rc = _ops.hs_tiles(x.data_ptr(), x.shape[0], self.k, self.packed.data_ptr(), self.n,
+        rc = _lib.hs_tiles(x.data_ptr(), x.shape[0], self.k, self.packed.data_ptr(), self.n,
                            None if self.bias is None else self.bias.data_ptr(), out.data_ptr(), self.n,
                            int(out_dtype == torch.float32))
         _check(rc, "tiles")

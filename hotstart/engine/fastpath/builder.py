@@ -186,8 +186,7 @@ class FastPath:
         if attention_why:
             cpu_kernels.enable_attention(False)  # process-wide: off unless this engine's plan says on
             notes.append(f"no paged decode kernel: {attention_why}")
-        if ops_why:
-            self.model.layer_ops = False
+        if ops_why:  # install_kernels left model.layer_ops off
             notes.append(f"no layer ops: {ops_why}")
         size = f"{self._pack_bytes / 1e6:.0f} MB" if self._copies else self._no_copies_why
         self.packing.move(S.PACKED, "; ".join([size, *notes]))
