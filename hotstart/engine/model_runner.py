@@ -129,8 +129,11 @@ class ModelRunner:
         if not everything:
             tokens = self._tensor([offsets[i] + j for i, n in zip(entries, lens) for j in range(n)])
         dev = self.device
+        spans = None  # for the CPU prefill kernel: each sequence's first token, tokens, first position
+        if dev.type == "cpu":
+            spans = torch.stack([group_first, len_t, torch.tensor(starts)], 1)
         return PrefillGroup(tokens, q_index.to(dev), q_valid.to(dev), tables, mask[:, None].to(dev),
-                            q_pos=q_pos.to(dev), from_zero=not any(starts))  # windows: AttnMetadata.window
+                            q_pos=q_pos.to(dev), spans=spans, from_zero=not any(starts))  # windows: .window
 
     @torch.inference_mode()
     def forward(self, batch: list[tuple[Sequence, int]], want_logits: list[bool],

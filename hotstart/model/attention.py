@@ -119,6 +119,7 @@ class PrefillGroup:
     block_tables: torch.Tensor  # [Bp, nb] long
     mask: torch.Tensor  # [Bp, 1, Qmax, nb * bs] bool: True where the query may attend
     q_pos: torch.Tensor | None = None  # [Bp, Qmax] long: position of each padded query
+    spans: torch.Tensor | None = None  # [Bp, 3] long, CPU: first token in the group, tokens, first position
     # every sequence's queries start at position 0 (no cached prefix, no window): the mask is plain causal,
     # and SDPA's is_causal skips the masked blocks (a 1,000-token prompt: 13.5 vs 19.3 ms a layer, bf16)
     from_zero: bool = False
@@ -242,8 +243,15 @@ def _decode_one_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: PrefillGroup,
-                      block_size: int, scale: float, softcap: float | None = None) -> torch.Tensor:
-    # q: [Tp, H, D] -> [Tp, H, D]
+                      block_size: int, scale: float, softcap: float | None = None,
+                      window: int | None = None) -> torch.Tensor:
+    # q: [Tp, H, D] -> [Tp, H, D]. g's mask already carries WINDOW (AttnMetadata.window); the bf16 CPU
+    # kernel (model/cpu_kernels.py: reads the blocks in place, where it is enabled) takes it as a number.
+    if q.device.type == "cpu" and softcap is None and g.spans is not None:
+        out = cpu_kernels.prefill_attention(q, k_cache, v_cache, g.spans, g.block_tables, block_size, scale,
+                                            window)
+        if out is not None:
+            return out
     qp = q[g.q_index].transpose(1, 2)  # [Bp, H, Qmax, D]
     tables, bp = g.block_tables.flatten(), g.block_tables.shape[0]
     kp = _gather(k_cache, tables, bp, block_size).transpose(0, 1)  # [Bp, KVH, L, D]
@@ -272,10 +280,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if p is None and d.tokens is None:
         return decode_attention(q, k_cache, v_cache, d, block_size, scale, softcap, window)
     if d is None and p.tokens is None:
-        return prefill_attention(q, k_cache, v_cache, p, block_size, scale, softcap)
+        return prefill_attention(q, k_cache, v_cache, p, block_size, scale, softcap, window)
     out = torch.empty_like(q)  # a group's tokens are None only when it holds all T tokens, in order
     if d is not None:
         out[d.tokens] = decode_attention(q[d.tokens], k_cache, v_cache, d, block_size, scale, softcap, window)
     if p is not None:
-        out[p.tokens] = prefill_attention(q[p.tokens], k_cache, v_cache, p, block_size, scale, softcap)
+        out[p.tokens] = prefill_attention(q[p.tokens], k_cache, v_cache, p, block_size, scale, softcap,
+                                          window)
     return out

@@ -7,6 +7,8 @@
   into fresh tensors and runs ~10 ops over them;
 - linear layers of steps of MAX_ROWS + 1 to TILE_MAX_ROWS tokens in bf16 (kernels/tiles.cpp, `Tiles`, a
   repacked copy of the weights), where oneDNN's prepacked kernels reach a third of the CPU's bf16 peak;
+- causal prefill attention in bf16 (kernels/prefill_attention.cpp, `prefill_attention`, AVX512-BF16): flash
+  attention with its dot products on vdpbf16ps, where torch's SDPA reaches ~30-50 GMAC/s here;
 - the small ops between a Llama-shaped layer's matmuls (kernels/layer_ops.cpp: `add_rmsnorm`, `rope_kv`,
   `silu_mul`; model/layer_ops.py runs a step of few tokens through them): three calls where the torch
   path runs ~15 ops, each over a few thousand numbers.
@@ -44,7 +46,8 @@ from hotstart.system import cpu_flags, hotstart_home
 
 KERNELS = Path(__file__).with_name("kernels")
 # compiled (common.h included)
-SOURCES = [KERNELS / name for name in ("gemv.cpp", "decode_attention.cpp", "layer_ops.cpp", "tiles.cpp")]
+SOURCES = [KERNELS / name for name in ("gemv.cpp", "decode_attention.cpp", "layer_ops.cpp", "tiles.cpp",
+                                       "prefill_attention.cpp")]
 MAX_ROWS = 4  # tokens per step up to which the kernel runs (measured above)
 TILE_MAX_ROWS = 48  # bf16: tokens per step up to which the tile kernel runs (docs/serving.md)
 # with the tile kernel's copy, the GEMV keeps steps of this many tokens only: in the engine (default model,
@@ -59,6 +62,7 @@ _ATTENTION_NEEDS = ("avx2", "fma")  # both dtypes (bf16 is widened to float32 in
 _lib: ctypes.CDLL | None = None
 _fn = None
 _attention_fn = None  # set when the library is loaded and decode attention is enabled (enable_attention)
+_prefill_fn = None  # likewise, where the CPU has AVX512-BF16 and HOTSTART_PREFILL_KERNEL is not off
 _traced = False  # calls show in torch's profiler (a ctypes call is no torch op): the step bench's profile
 
 
@@ -149,16 +153,55 @@ def load(path: Path | str) -> None:
     for name, args in (("hs_add_rmsnorm", [code, ptr, ptr, ptr, ctypes.c_float, i64, i64, ptr, ptr]),
                        ("hs_rope_kv", [code, ptr, *[i64] * 6, *[ptr] * 5, i64, ptr]),
                        ("hs_silu_mul", [code, ptr, i64, i64, ptr]),
-                       ("hs_tiles", [ptr, i64, i64, ptr, i64, ptr, ptr, i64, ctypes.c_int])):
+                       ("hs_tiles", [ptr, i64, i64, ptr, i64, ptr, ptr, i64, ctypes.c_int]),
+                       ("hs_prefill_attention", [*[ptr] * 4, *[i64] * 5, ptr, ptr, i64, i64, ctypes.c_float,
+                                                 i64])):
         op = getattr(lib, name)
         op.restype, op.argtypes = ctypes.c_int, args
     _lib, _fn = lib, fn
 
 
 def enable_attention(on: bool) -> None:
-    """From the next layer on, decode attention on CPU runs the kernel (on) or the torch path."""
-    global _attention_fn
+    """From the next layer on, decode attention on CPU runs the kernel (on) or the torch path; so does
+    bf16 prefill attention where the CPU has AVX512-BF16 (HOTSTART_PREFILL_KERNEL=off: the torch path)."""
+    global _attention_fn, _prefill_fn
     _attention_fn = _lib.hs_decode_attention if on and _lib is not None else None
+    off = os.environ.get("HOTSTART_PREFILL_KERNEL", "").lower() in ("0", "off", "false", "no")
+    runs = _attention_fn is not None and not off and _runs(_TILE_NEEDS, "cpu")
+    _prefill_fn = _lib.hs_prefill_attention if runs else None
+
+
+def prefill_enabled() -> bool:
+    return _prefill_fn is not None
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spans: torch.Tensor,
+                      tables: torch.Tensor, block_size: int, scale: float, window: int | None
+                      ) -> torch.Tensor | None:
+    """q: [T, H, D] bf16 (each sequence's rows together), caches: [KVH, slots, D], spans: [B, 3] long (first
+    row, rows, position of the first), tables: [B, nb] long -> [T, H, D]: causal attention of each row
+    over its sequence's keys up to its position (within WINDOW). None where the kernel does not run (not
+    enabled, another dtype or layout, a head size it does not take): the caller takes the torch path."""
+    fn = _prefill_fn
+    t, h, d = q.shape
+    if (fn is None or q.device.type != "cpu" or q.dtype != torch.bfloat16 or k_cache.dtype != q.dtype
+            or d % 16 or d > 256 or k_cache.stride(2) != 1 or k_cache.stride(1) != d
+            or v_cache.stride() != k_cache.stride()):
+        return None
+    q, spans, tables = q.contiguous(), spans.contiguous(), tables.contiguous()
+    out = torch.empty_like(q)
+    if _traced:
+        with torch.profiler.record_function("hotstart::prefill_attention"):
+            rc = _prefill_call(fn, q, out, k_cache, v_cache, spans, tables, block_size, scale, window)
+    else:
+        rc = _prefill_call(fn, q, out, k_cache, v_cache, spans, tables, block_size, scale, window)
+    return out if rc == 0 else None
+
+
+def _prefill_call(fn, q, out, k_cache, v_cache, spans, tables, block_size, scale, window) -> int:
+    return fn(q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), spans.shape[0],
+              q.shape[1], k_cache.shape[0], q.shape[2], k_cache.stride(0), spans.data_ptr(),
+              tables.data_ptr(), tables.shape[1], block_size, scale, window or 0)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,

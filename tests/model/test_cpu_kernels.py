@@ -98,6 +98,60 @@ def test_tile_kernel_equals_a_float64_matmul():
     assert not seg.fits(torch.empty(cpu_kernels.TILE_MAX_ROWS + 1, k))
 
 
+def _paged(kvh: int, d: int, block_size: int, contexts: list[int], g: torch.Generator):
+    """Caches [KVH, slots, D] holding each context's keys in shuffled blocks (block 0: the null block)
+    -> (k, v, tables [B, nb], each sequence's slots in order)."""
+    counts = [-(-c // block_size) for c in contexts]
+    blocks = (torch.randperm(sum(counts), generator=g) + 1).split(counts)
+    k, v = (torch.randn(kvh, (sum(counts) + 1) * block_size, d, generator=g).bfloat16() for _ in range(2))
+    tables = torch.zeros(len(contexts), max(counts), dtype=torch.long)
+    slots = []
+    for i, (b, c) in enumerate(zip(blocks, contexts, strict=True)):
+        tables[i, :len(b)] = b
+        slots.append((b[:, None] * block_size + torch.arange(block_size)).flatten()[:c])
+    return k, v, tables, slots
+
+
+def test_prefill_attention_kernel_equals_float64_attention():
+    """Causal attention of several sequences' new rows over their paged keys: from position 0 and after
+    a cached prefix (keys before the first row), grouped-query ratios 1 / 3 / 7, head sizes 16 / 64 / 96
+    / 128, block sizes 16 and 32, a sliding window. Error bound: P rounded to bf16 (<= 2^-8 of the
+    largest value) and the output rounded to bf16 (<= 2^-8 relative)."""
+    if not cpu_kernels.tiles_supported(torch.bfloat16):
+        pytest.skip("this CPU lacks AVX512-BF16 (prefill attention keeps torch's SDPA)")
+    cpu_kernels.load(cpu_kernels.build())
+    cpu_kernels.enable_attention(True)
+    assert cpu_kernels.prefill_enabled()
+    g = torch.Generator().manual_seed(5)
+    cases = [  # (rows, first positions), H, KVH, D, block size, window
+        (([200], [0]), 9, 3, 64, 16, None),
+        (([37, 5, 130], [0, 100, 17]), 8, 8, 128, 16, None),
+        (([70, 1], [10, 0]), 14, 2, 96, 32, 33),
+        (([1], [0]), 2, 1, 16, 16, None),
+        (([150, 3], [0, 64]), 28, 4, 128, 16, 100),
+    ]
+    for (rows, starts), h, kvh, d, bs, window in cases:
+        contexts = [s + n for s, n in zip(starts, rows, strict=True)]
+        k, v, tables, slots = _paged(kvh, d, bs, contexts, g)
+        q = torch.randn(sum(rows), h, d, generator=g).bfloat16()
+        first = torch.tensor([0, *rows[:-1]]).cumsum(0)
+        spans = torch.stack([first, torch.tensor(rows), torch.tensor(starts)], 1)
+        out = cpu_kernels.prefill_attention(q, k, v, spans, tables, bs, d ** -0.5, window)
+        assert out is not None and out.shape == q.shape and out.dtype == torch.bfloat16
+        for i, (n, s) in enumerate(zip(rows, starts, strict=True)):
+            kk, vv = (c[:, slots[i]].double().repeat_interleave(h // kvh, 0) for c in (k, v))  # [H, L, D]
+            qq = q[first[i]:first[i] + n].double().transpose(0, 1)  # [H, n, D]
+            pos, keys = s + torch.arange(n), torch.arange(contexts[i])
+            seen = keys[None, :] <= pos[:, None]
+            if window:
+                seen &= keys[None, :] > pos[:, None] - window
+            scores = (qq @ kk.transpose(1, 2) * d ** -0.5).masked_fill(~seen, float("-inf"))
+            ref = (torch.softmax(scores, -1) @ vv).transpose(0, 1)  # [n, H, D]
+            got = out[first[i]:first[i] + n].double()
+            tol = 2 ** -8 * (ref.abs() + vv.abs().max())
+            assert ((got - ref).abs() <= tol).all(), (rows, h, kvh, d, window, (got - ref).abs().max())
+
+
 def _core(model_dir, dtype: str = "float32") -> EngineCore:
     cfg = EngineConfig(model_path=str(model_dir), weight_files=tuple(map(str, weight_files(model_dir))),
                        device="cpu", dtype=dtype, max_model_len=256, kv_cache_memory=16 << 20)
@@ -158,12 +212,16 @@ def test_bfloat16_steps_through_every_kernel_add_no_error(default_model_dir):
     assert f"(<= {cpu_kernels.TILE_MAX_ROWS} tokens)" in notes[0] and model.layer_ops, notes
     tiles, call = [], cpu_kernels.Tiles.__call__
     cpu_kernels.Tiles.__call__ = lambda self, *a: tiles.append(1) or call(self, *a)
+    prefills, prefill = [], cpu_kernels._prefill_call
+    cpu_kernels._prefill_call = lambda *a: prefills.append(1) or prefill(*a)
     try:
         fast = logits(core)
         assert len(tiles) == len(model.model.layers) * 4 + 1  # q/k/v, o, gate/up, down; the LM head
+        assert len(prefills) == len(model.model.layers)  # the prompt's attention: the prefill kernel
         assert sum(len(t) for t in greedy_batch(core).values()) == 4 * 24
     finally:
         cpu_kernels.Tiles.__call__ = call
+        cpu_kernels._prefill_call = prefill
     err_plain, err_fast = (plain - exact).abs().mean().item(), (fast - exact).abs().mean().item()
     assert err_fast <= 1.25 * err_plain + 1e-3, (err_fast, err_plain)
     top1 = lambda x: (x.argmax(-1) == exact.argmax(-1)).float().mean().item()  # noqa: E731

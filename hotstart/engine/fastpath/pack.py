@@ -90,7 +90,8 @@ def install_kernels(model: CausalLM, path, whys: tuple[str, str, str], copies: b
         notes.append(f"small-batch kernels on {attach_gemv(model, tiles)} linears (<= {upto} tokens)")
     cpu_kernels.enable_attention(not attention_why)
     if not attention_why:
-        notes.append("paged decode kernel")
+        prefill = " + bf16 prefill kernel" if cpu_kernels.prefill_enabled() else ""
+        notes.append(f"paged decode kernel{prefill}")
     model.layer_ops = False
     if not ops_why:  # the plan allows them: the model's layers decide
         family_why = layer_ops.unsupported(model)
