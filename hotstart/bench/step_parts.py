@@ -130,7 +130,7 @@ def _block_targets(core) -> list[tuple[str, object, str]]:
                                                core.runner, "forward"),
                ("model forward (embedding, layers, final norm)", model, "forward"),
                ("LM head", model, "compute_logits")]
-    if getattr(model, "layer_ops", False):  # steps of few tokens run model/layer_ops.py's functions instead
+    if getattr(model, "layer_ops", False):  # steps run model/layer_ops.py's functions instead
         from hotstart.model import layer_ops
 
         targets += [("layer ops: add + norm, q/k/v, RoPE + KV write (attn_inputs)", layer_ops, "attn_inputs"),

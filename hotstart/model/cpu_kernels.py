@@ -10,7 +10,7 @@
 - causal prefill attention in bf16 (kernels/prefill_attention.cpp, `prefill_attention`, AVX512-BF16): flash
   attention with its dot products on vdpbf16ps, where torch's SDPA reaches ~30-50 GMAC/s here;
 - the small ops between a Llama-shaped layer's matmuls (kernels/layer_ops.cpp: `add_rmsnorm`, `rope_kv`,
-  `silu_mul`; model/layer_ops.py runs a step of few tokens through them): three calls where the torch
+  `silu_mul`; model/layer_ops.py runs every step through them): three calls where the torch
   path runs ~15 ops, each over a few thousand numbers.
 
 Decode at one stream is bound by the weight read. Measured on the 2-vCPU AVX512-BF16 EPYC (one process,

@@ -55,7 +55,7 @@ class CausalLM(nn.Module):
         # oneDNN layout of output_weight(), set between steps (engine/fastpath/pack.py)
         self.lm_head_prepacked: torch.Tensor | None = None
         self.lm_head_gemv: cpu_kernels.Segments | None = None  # the small-batch kernel over output_weight()
-        self.layer_ops = False  # steps of few tokens through model/layer_ops.py (set with the CPU kernels)
+        self.layer_ops = False  # every step through model/layer_ops.py (set with the CPU kernels)
         self.tp = None  # parallel.TensorParallel: this model is one rank's part (set by parallel.shard)
 
     def post_load(self, device: torch.device, dtype: torch.dtype) -> None:
@@ -74,7 +74,7 @@ class CausalLM(nn.Module):
         meta.cos, meta.sin = self.model.rotary.lookup(positions)
         if self.model.rotary_local is not None:
             meta.cos_local, meta.sin_local = self.model.rotary_local.lookup(positions)
-        if self.layer_ops and h.shape[0] <= layer_ops.MAX_TOKENS:
+        if self.layer_ops:
             return layer_ops.forward(self, h, meta)
         for layer in self.model.layers:
             h = layer(h, meta)

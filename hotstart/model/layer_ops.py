@@ -1,4 +1,4 @@
-"""A step of few tokens through Llama-shaped decoder layers on the CPU kernels' layer ops.
+"""A step through Llama-shaped decoder layers on the CPU kernels' layer ops.
 
 With the small-batch GEMV and the paged decode kernel (model/cpu_kernels.py), a one-stream decode step
 of the default model spends about as long in the ~15 small torch ops around them per layer (the
@@ -10,10 +10,11 @@ op costs more in dispatch than in arithmetic. Here a layer is nine calls:
 
 with the residual add of each block carried into the next norm (`x` the residual stream, `delta` what
 the last block adds to it). The arithmetic and its roundings are layers.DecoderLayer's (equal in float32
-to accumulation order: tests/model/test_layer_ops.py). Used by CausalLM.forward for steps of at most
-MAX_TOKENS tokens once the fast path has installed the kernels (engine/fastpath/pack.py) on a model
+to accumulation order: tests/model/test_layer_ops.py). Used by CausalLM.forward for every step once the
+fast path has installed the kernels (engine/fastpath/pack.py) on a model
 whose every layer computes the plain DecoderLayer (Llama, Mistral, Qwen2, Phi-3, SmolLM2, ...:
-`unsupported`).
+`unsupported`). The ops run 8 lanes at a time and split rows over threads, so prefill-sized steps gain
+too: 8 prompts of 200 tokens in one step, 558 vs 872 ms through torch's ops (their [1600, 3072] temporaries).
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ import torch
 from hotstart.model import cpu_kernels
 from hotstart.model.attention import AttnMetadata, paged_attention
 from hotstart.model.layers import ACTIVATIONS, Attention, DecoderLayer, GatedMLP, RMSNorm, rope_of
-
-MAX_TOKENS = 64  # steps of at most this many tokens take this path (the ops split rows over threads)
 
 
 def unsupported(model) -> str:

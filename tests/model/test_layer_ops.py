@@ -46,7 +46,7 @@ def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_each_op_equals_the_torch_ops(dtype):
     g = torch.Generator().manual_seed(0)
-    for rows, n in ((1, 100), (3, 576), (70, 37)):  # 70 x 37: past MAX_TOKENS rows, a width of no vector
+    for rows, n in ((1, 100), (3, 576), (70, 37)):  # 70 x 37: rows over threads, a width of no vector
         x, delta = (torch.randn(rows, n, generator=g).to(dtype) for _ in range(2))
         norm = RMSNorm(n, 1e-6)
         norm.weight.data = (1 + 0.1 * torch.randn(n, generator=g)).to(dtype)
@@ -103,7 +103,7 @@ def test_llama_shaped_models_through_the_layer_ops_equal_plain_in_float32(family
     model = core.runner.model
     pack_model(model)
     notes = install_kernels(model, cpu_kernels.build(), ("", "", ""))
-    assert model.layer_ops and f"layer ops (<= {layer_ops.MAX_TOKENS} tokens)" in notes
+    assert model.layer_ops and "layer ops" in notes
     steps, forward = [], layer_ops.forward
     monkeypatch.setattr(layer_ops, "forward", lambda *a: steps.append(1) or forward(*a))
     logits: list = []

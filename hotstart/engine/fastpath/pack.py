@@ -96,6 +96,5 @@ def install_kernels(model: CausalLM, path, whys: tuple[str, str, str], copies: b
     if not ops_why:  # the plan allows them: the model's layers decide
         family_why = layer_ops.unsupported(model)
         model.layer_ops = not family_why
-        on = f"layer ops (<= {layer_ops.MAX_TOKENS} tokens)"
-        notes.append(f"no layer ops: {family_why}" if family_why else on)
+        notes.append(f"no layer ops: {family_why}" if family_why else "layer ops")
     return notes

@@ -1,5 +1,5 @@
 // Helpers shared by hotstart's CPU kernels (gemv.cpp, decode_attention.cpp, layer_ops.cpp): bfloat16 <->
-// float32 as torch converts them, rounding to a dtype as torch's ops do, and AVX2 loads, sums and e^x.
+// float32 as torch converts them, rounding to a dtype as torch's ops do, AVX2 loads, stores, sums, e^x.
 
 #pragma once
 
@@ -43,6 +43,31 @@ __attribute__((target("avx2,fma"))) inline __m256 load8(const float *p) { return
 __attribute__((target("avx2,fma"))) inline __m256 load8(const uint16_t *p) {  // 8 bf16 -> 8 float32
     const __m128i h = _mm_loadu_si128((const __m128i *)p);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// 8 float32 -> the bf16 value each rounds to (nearest even; NaN stays NaN, as f32_to_bf16), as float32
+__attribute__((target("avx2,fma"))) inline __m256 round_bf16(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v), high = _mm256_set1_epi32((int)0xffff0000u);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_and_si256(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)),
+                                       high);
+    const __m256i nan = _mm256_or_si256(_mm256_and_si256(u, high), _mm256_set1_epi32(0x400000));
+    return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(nan),
+                            _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+
+// v rounded as a torch op of dtype T rounds its result (rounded<T>, 8 lanes)
+__attribute__((target("avx2,fma"))) inline __m256 rounded8(__m256 v, const float *) { return v; }
+__attribute__((target("avx2,fma"))) inline __m256 rounded8(__m256 v, const uint16_t *) {
+    return round_bf16(v);
+}
+
+__attribute__((target("avx2,fma"))) inline void store8(float *p, __m256 v) { _mm256_storeu_ps(p, v); }
+
+__attribute__((target("avx2,fma"))) inline void store8(uint16_t *p, __m256 v) {  // rounded as store()
+    const __m256i h = _mm256_srli_epi32(_mm256_castps_si256(round_bf16(v)), 16);
+    _mm_storeu_si128((__m128i *)p,
+                     _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
 }
 
 __attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {

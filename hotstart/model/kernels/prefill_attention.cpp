@@ -125,7 +125,8 @@ void pv_all(const uint32_t *vp, int64_t D, const uint16_t (*pbuf)[KB], const flo
 // R query rows (q rows, their positions) against their keys; out rows written in bf16
 template <int R>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-void rows(const Args &a, const Packed &p, const uint16_t *const *q, const int64_t *pos, uint16_t *const *out) {
+void rows(const Args &a, const Packed &p, const uint16_t *const *q, const int64_t *pos,
+          uint16_t *const *out) {
     const int64_t D = a.D, D2 = D / 2;
     float o[R * 256];  // D <= 256 (checked by the caller)
     float m[R], l[R], alpha[R];
@@ -197,7 +198,8 @@ void rows(const Args &a, const Packed &p, const uint16_t *const *q, const int64_
     }
 }
 
-using Rows = void (*)(const Args &, const Packed &, const uint16_t *const *, const int64_t *, uint16_t *const *);
+using Rows = void (*)(const Args &, const Packed &, const uint16_t *const *, const int64_t *,
+                     uint16_t *const *);
 const Rows ROWS[MB] = {rows<1>, rows<2>, rows<3>, rows<4>, rows<5>, rows<6>};
 
 struct Task {
