@@ -28,6 +28,32 @@ def die_with_parent(sig: int) -> None:
         os.kill(os.getpid(), sig)
 
 
+def descendants(pid: int) -> list[int]:
+    """Linux: the live descendants of PID (children first), from /proc; [] elsewhere. For a child that
+    runs children of its own in our process group (g++ runs cc1plus and as): signalling it alone would
+    leave them running."""
+    parents: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        parents.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        kids = parents.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
 def _signal(target: subprocess.Popen | int, sig: int, group: bool) -> None:
     pid = target.pid if isinstance(target, subprocess.Popen) else target
     try:
@@ -53,6 +79,14 @@ def _exited(target: subprocess.Popen | int) -> bool:
             return True
         except PermissionError:
             return False
+        return _zombie(target)  # exited, not yet reaped by its parent (or by init, if orphaned)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
         return False
 
 

@@ -6,6 +6,7 @@ serves on when they cannot be built."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -252,6 +253,30 @@ def test_the_fast_path_builds_and_attaches_it_behind_ready(tiny_checkpoint, tmp_
     again = FastPath(_core(tiny_checkpoint("llama")), "eager-only", (8,), lambda m: None)
     again.tick(idle=True)
     assert again._kernels_build is None  # cached: no second compile
+
+
+def test_closing_mid_build_ends_the_compiler_and_its_children(tiny_checkpoint, tmp_path, monkeypatch):
+    """An engine shut down while g++ builds the library (behind READY) ends g++ and the cc1plus it runs
+    (g++ alone, signalled, left cc1plus compiling on: a server took over 10 s to stop), at once."""
+    from hotstart.procs import descendants
+
+    _needs(torch.float32)
+    monkeypatch.setenv("HOTSTART_HOME", str(tmp_path))
+    fast = FastPath(_core(tiny_checkpoint("llama")), "eager-only", (8,), lambda m: None)
+    deadline = time.monotonic() + 60
+    while fast._kernels_build is None and time.monotonic() < deadline:
+        fast.tick(idle=False)
+    proc = fast._kernels_build[0]
+    while not descendants(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    tree = [proc.pid, *descendants(proc.pid)]
+    assert len(tree) > 1, "g++ ran no compiler process"
+    t = time.monotonic()
+    fast.close()
+    assert time.monotonic() - t < 1.0
+    alive = [pid for pid in tree if os.path.exists(f"/proc/{pid}")
+             and open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
+    assert not alive and not list((tmp_path / "kernels").glob(".*.tmp"))
 
 
 def test_without_the_kernels_the_engine_serves_on(tiny_checkpoint, tmp_path, monkeypatch):

@@ -28,7 +28,7 @@ from hotstart.engine.fastpath.state import Stage
 from hotstart.messages import BucketState, FastPathStatus, Span
 from hotstart.messages import FastPathState as S
 from hotstart.model import cpu_kernels
-from hotstart.procs import terminate_then_kill
+from hotstart.procs import descendants, terminate_then_kill
 
 log = logging.getLogger("hotstart.engine")
 
@@ -97,7 +97,7 @@ class FastPath:
             self.proc = None
         if self._kernels_build is not None:
             proc, tmp, _, _ = self._kernels_build
-            terminate_then_kill([proc], 1.0)
+            terminate_then_kill([proc, *descendants(proc.pid)], 1.0)  # g++ and its cc1plus / as
             tmp.unlink(missing_ok=True)
             self._kernels_build = None
 
@@ -161,7 +161,7 @@ class FastPath:
                 return
             self._kernels_build = None
             if code is None:
-                terminate_then_kill([proc], 1.0)
+                terminate_then_kill([proc, *descendants(proc.pid)], 1.0)
                 self._kernels_failed(f"g++ took over {KERNELS_BUILD_TIMEOUT_S:.0f} s")
             elif code != 0:
                 self._kernels_failed(f"g++ failed (code {code}, {tmp.parent}/build.log)")
