@@ -71,6 +71,11 @@ def trace(on: bool) -> None:
     _traced = on
 
 
+def switched_off(env: str) -> bool:
+    """Whether environment variable ENV turns a kernel off (0, off, false, no)."""
+    return os.environ.get(env, "").lower() in ("0", "off", "false", "no")
+
+
 def _runs(needs: tuple[str, ...] | None, device: torch.device | str) -> bool:
     return needs is not None and torch.device(device).type == "cpu" and set(needs) <= cpu_flags()
 
@@ -166,9 +171,8 @@ def enable_attention(on: bool) -> None:
     bf16 prefill attention where the CPU has AVX512-BF16 (HOTSTART_PREFILL_KERNEL=off: the torch path)."""
     global _attention_fn, _prefill_fn
     _attention_fn = _lib.hs_decode_attention if on and _lib is not None else None
-    off = os.environ.get("HOTSTART_PREFILL_KERNEL", "").lower() in ("0", "off", "false", "no")
-    runs = _attention_fn is not None and not off and _runs(_TILE_NEEDS, "cpu")
-    _prefill_fn = _lib.hs_prefill_attention if runs else None
+    runs = _attention_fn is not None and _runs(_TILE_NEEDS, "cpu")
+    _prefill_fn = _lib.hs_prefill_attention if runs and not switched_off("HOTSTART_PREFILL_KERNEL") else None
 
 
 def prefill_enabled() -> bool:

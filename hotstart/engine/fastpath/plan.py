@@ -76,7 +76,7 @@ def kernel_plans(core) -> tuple[str, str, str]:
         common = f"no C++ compiler ({os.environ.get('CXX', 'g++')}) found"
 
     def why(env: str, runs) -> str:  # the common reason, else ENV=off, else this CPU's, else "" (runs)
-        if common or os.environ.get(env, "").lower() in ("0", "off", "false", "no"):
+        if common or cpu_kernels.switched_off(env):
             return common or f"{env}=off"
         cpu = f"no kernel for {p.device.type} {str(p.dtype)[6:]} on this CPU"
         return "" if runs(p.dtype, p.device) else cpu

@@ -1,5 +1,5 @@
-// Helpers shared by hotstart's CPU kernels (gemv.cpp, decode_attention.cpp, layer_ops.cpp): bfloat16 <->
-// float32 as torch converts them, rounding to a dtype as torch's ops do, AVX2 loads, stores, sums, e^x.
+// Helpers shared by hotstart's CPU kernels (kernels/*.cpp): bfloat16 <-> float32 as torch converts them,
+// rounding to a dtype as torch's ops do, AVX2 loads, stores, sums, e^x; e^x and bf16 rounding in AVX-512.
 
 #pragma once
 
@@ -96,6 +96,34 @@ __attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+// e^x for x <= 0, as exp8, 16 lanes (AVX-512)
+__attribute__((target("avx512f"))) inline __m512 exp16(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.0f);
+    const __mmask16 over = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
+    x = _mm512_max_ps(x, lo);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps(over, p, _mm512_castsi512_ps(e));  // below -87: 0 (and -inf: 0)
+}
+
+// 16 float32 -> 16 bf16, rounded to nearest even as torch rounds
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m256i bf16x16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
 }
 
 }  // namespace hs

@@ -88,19 +88,14 @@ inline void rotate(const uint16_t *src, const uint16_t *cos, const uint16_t *sin
                    uint16_t *dst) {
     const int64_t half = R / 2;
     if (half % 8 != 0) {
-        for (int64_t i = 0; i < R; i++) {
-            const int64_t j = i < half ? i + half : i - half;
-            const float a = rounded<uint16_t>(to_f32(src[i]) * to_f32(cos[i]));
-            const float b = rounded<uint16_t>(to_f32(src[j]) * to_f32(sin[i]));
-            store(dst + i, a + b);
-        }
-    } else {
-        for (int64_t i = 0; i < R; i += 8) {
-            const int64_t j = i < half ? i + half : i - half;  // 8 lanes never straddle half
-            const __m256 a = hs::round_bf16(_mm256_mul_ps(hs::load8(src + i), hs::load8(cos + i)));
-            const __m256 b = hs::round_bf16(_mm256_mul_ps(hs::load8(src + j), hs::load8(sin + i)));
-            hs::store8(dst + i, _mm256_add_ps(a, b));
-        }
+        rotate<uint16_t>(src, cos, sin, R, D, dst);
+        return;
+    }
+    for (int64_t i = 0; i < R; i += 8) {
+        const int64_t j = i < half ? i + half : i - half;  // 8 lanes never straddle half
+        const __m256 a = hs::round_bf16(_mm256_mul_ps(hs::load8(src + i), hs::load8(cos + i)));
+        const __m256 b = hs::round_bf16(_mm256_mul_ps(hs::load8(src + j), hs::load8(sin + i)));
+        hs::store8(dst + i, _mm256_add_ps(a, b));
     }
     for (int64_t i = R; i < D; i++) dst[i] = src[i];
 }

@@ -25,6 +25,9 @@
 
 namespace {
 
+using hs::bf16x16;
+using hs::exp16;
+
 constexpr int KB = 64;  // keys per block: 4 vectors of 16 scores
 constexpr int MB = 6;   // query rows per tile: 6 x 4 accumulators + 4 keys + 1 query = 29 registers
 
@@ -58,34 +61,6 @@ void pack(const Args &a, int64_t b, int64_t g, Packed &p) {
         uint16_t *vp = (uint16_t *)(p.vp.data() + (j / KB) * (KB / 2) * a.D + (j % KB) / 2 * a.D) + j % 2;
         for (int64_t d = 0; d < a.D; d++) vp[2 * d] = vr[d];
     }
-}
-
-// e^x for x <= 0, as hs::exp8 (common.h), 16 lanes
-__attribute__((target("avx512f"))) inline __m512 exp16(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-87.0f);
-    const __mmask16 over = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
-    x = _mm512_max_ps(x, lo);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mul_ps(over, p, _mm512_castsi512_ps(e));  // below -87: 0 (and -inf: 0)
-}
-
-// 16 float32 -> 16 bf16, rounded to nearest even as torch rounds
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m256i bf16x16(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
 }
 
 // o[R][NV x 16 dims from d0] = o * alpha + P V over one key block (pairs of keys)

@@ -29,14 +29,6 @@ struct Call {
     bool out_f32;
 };
 
-// 16 float32 -> 16 bf16, rounded to nearest even as torch rounds (denormals kept)
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m256i to_bf16x16(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
-}
-
 template <int MB>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 void tile(const Call &c, int64_t m0, int64_t nb) {
@@ -77,7 +69,7 @@ void tile(const Call &c, int64_t m0, int64_t nb) {
             if (c.out_f32)
                 _mm512_mask_storeu_ps((float *)c.out + (m0 + m) * c.ldo + col, mask, v);
             else
-                _mm256_mask_storeu_epi16((uint16_t *)c.out + (m0 + m) * c.ldo + col, mask, to_bf16x16(v));
+                _mm256_mask_storeu_epi16((uint16_t *)c.out + (m0 + m) * c.ldo + col, mask, hs::bf16x16(v));
         }
     }
 }
