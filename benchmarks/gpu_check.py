@@ -111,8 +111,9 @@ class Check:
 
         from hotstart.config import EngineConfig  # noqa: PLC0415
         from hotstart.engine.core import EngineCore  # noqa: PLC0415
-        from hotstart.messages import EngineRequest, SamplingParams  # noqa: PLC0415
+        from hotstart.messages import EngineRequest  # noqa: PLC0415
         from hotstart.model.files import weight_files  # noqa: PLC0415
+        from hotstart.sampling_params import SamplingParams  # noqa: PLC0415
 
         dev, out = self.args.device, {}
         prompt = [3, 17, 42, 99, 7, 250, 11, 64]

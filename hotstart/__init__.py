@@ -1,17 +1,19 @@
 """hotstart: an OpenAI-compatible LLM server engineered for the fastest cold start.
 
-`from hotstart import LLM, SamplingParams` is vLLM's offline API (hotstart/llm/); it is loaded on first
-use, so `import hotstart` stays light (no torch, no web stack)."""
+The package's front door is vLLM's offline API: `from hotstart import LLM, SamplingParams` (hotstart/llm/,
+hotstart/sampling_params.py). Both are loaded on first use, so `import hotstart` stays light (no torch, no
+web stack)."""
 
 __version__ = "0.1.0"
 
-_LAZY = {"LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "RequestOutput",
-         "CompletionOutput"}
+_LAZY = {"LLM": "hotstart.llm", "RequestOutput": "hotstart.llm", "CompletionOutput": "hotstart.llm",
+         "SamplingParams": "hotstart.sampling_params", "StructuredOutputsParams": "hotstart.sampling_params",
+         "GuidedDecodingParams": "hotstart.sampling_params"}
 
 
 def __getattr__(name: str):
     if name in _LAZY:
-        import hotstart.llm as llm  # noqa: PLC0415 - lazy: the offline API's modules
+        import importlib  # noqa: PLC0415 - lazy: the public API's modules load on first use
 
-        return getattr(llm, name)
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'hotstart' has no attribute {name!r}")

@@ -10,9 +10,9 @@ import time
 T0 = time.time()  # launch time as seen by the CLI (the timeline's zero)
 
 from hotstart.config import EngineConfig, ServeConfig  # noqa: E402 - stdlib + dataclasses only
-from hotstart.flags import add_options, non_negative  # noqa: E402
-from hotstart.generate import ENGINE_EXCLUDES  # noqa: E402 - argparse/time only at import
-from hotstart.server.model_specs import ModelsConfig  # noqa: E402 - stdlib + flags only
+from hotstart.flags import add_options  # noqa: E402
+from hotstart.frontend.model_specs import ModelsConfig  # noqa: E402 - stdlib + flags only
+from hotstart.generate import ENGINE_EXCLUDES, add_sampling_flags  # noqa: E402 - argparse/time only
 
 
 class _Parser(argparse.ArgumentParser):
@@ -45,11 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--chat", action="store_true", help="wrap the prompt as a user message in the chat template"
     )
-    g.add_argument("--max-tokens", type=non_negative, default=128)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=None, help="sampling seed")
+    add_sampling_flags(g)
     add_options(g.add_argument_group("engine"), EngineConfig, exclude=ENGINE_EXCLUDES)
 
     from hotstart.bench.args import add_bench_commands  # noqa: PLC0415 - argparse only

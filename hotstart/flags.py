@@ -77,7 +77,7 @@ _AMOUNT = re.compile(r"(?:auto|(\d+(?:\.\d+)?)%|\d+(?:\.\d+)?(?:[kmgt]i?b?)?)", 
 
 def memory_amount(text: str) -> str:
     """An amount of memory: bytes (512M, 1.5GiB, 0), a percentage of MemTotal (5%), or auto (kept as
-    text; server/memory.py's min_free_bytes reads it)."""
+    text; frontend/memory.py's min_free_bytes reads it)."""
     m = _AMOUNT.fullmatch(text.strip())
     if m is None or (m.group(1) is not None and float(m.group(1)) > 100):
         raise argparse.ArgumentTypeError(f"expected bytes (512M, 2G), a percentage (5%) or auto, got "

@@ -1,5 +1,6 @@
-"""`hotstart generate`: offline generation through the same EngineCore the server uses, driven by the
-in-process EngineClient (server/client.py)."""
+"""`hotstart generate`: offline generation through the same EngineCore the server uses, started by the one
+start sequence (frontend/start.py) with the engine in this process, the prompt's SamplingParams checked
+and resolved as the server's are (frontend/sampling.py)."""
 
 from __future__ import annotations
 
@@ -13,37 +14,54 @@ from hotstart.errors import HotstartError
 # watchdog)
 ENGINE_EXCLUDES = ("max_num_seqs", "max_num_batched_tokens", "seed", "tensor_parallel_size",
                    "engine_heartbeat_timeout", "engine_step_timeout")
+# SamplingParams fields that `generate` takes as flags (--max-tokens, ...), with its own defaults
+SAMPLING_FLAGS = {"max_tokens": 128, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None}
+
+
+def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    """--max-tokens, --temperature, --top-p, --top-k, --seed: SamplingParams' fields, checked by it."""
+    for name, default in SAMPLING_FLAGS.items():
+        kind = float if isinstance(default, float) else int
+        greedy = " (0: greedy)" if name == "temperature" else ""
+        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default,
+                            help=f"SamplingParams.{name}{greedy}, default {default}")
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from hotstart.boot.resolve import resolve_model  # noqa: PLC0415
+    from hotstart.boot.timeline import Timeline  # noqa: PLC0415
     from hotstart.config import EngineConfig  # noqa: PLC0415
-    from hotstart.messages import SamplingParams  # noqa: PLC0415
-    from hotstart.model.files import weight_files  # noqa: PLC0415
-    from hotstart.server.client import make_engine_client  # noqa: PLC0415
-    from hotstart.text.tokenizer import IncrementalDetokenizer, Tokenizer  # noqa: PLC0415
+    from hotstart.frontend.sampling import EngineLimits, resolve  # noqa: PLC0415
+    from hotstart.frontend.start import EngineStart  # noqa: PLC0415
+    from hotstart.sampling_params import SamplingParams  # noqa: PLC0415
+    from hotstart.text.tokenizer import IncrementalDetokenizer  # noqa: PLC0415
 
-    if args.temperature < 0 or args.temperature != args.temperature:
-        raise HotstartError(f"--temperature must be >= 0, got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        raise HotstartError(f"--top-p must be in (0, 1], got {args.top_p}")
-    model = resolve_model(args.model, args.revision)
-    tok = Tokenizer.from_dir(model.path)
+    try:  # checked before anything loads
+        params = SamplingParams(**{name: getattr(args, name) for name in SAMPLING_FLAGS})
+    except ValueError as e:
+        flag = f"--{e.param.replace('_', '-')}: " if getattr(e, "param", None) else ""
+        raise HotstartError(f"{flag}{e}") from None
+    start = EngineStart(Timeline(time.time()), None, lambda **derived: EngineConfig.from_args(
+        args, ENGINE_EXCLUDES, max_num_seqs=1, **derived))
+    t_load = time.perf_counter()
+    try:
+        start.begin(args.model, args.revision)  # in process: builds the EngineCore here
+        t_load = time.perf_counter() - t_load
+        tok = start.load_tokenizer()
+    finally:
+        start.close()
+    engine, info = start.client, start.client.info
     if args.chat:
         ids = tok.encode_chat([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
     else:
         ids = tok.encode(args.prompt)
-    cfg = EngineConfig.from_args(args, ENGINE_EXCLUDES, model_path=str(model.path), max_num_seqs=1,
-                                 weight_files=tuple(str(p) for p in weight_files(model.path)))
-    t_load = time.perf_counter()
-    engine = make_engine_client(cfg)  # in process: builds the EngineCore here
-    t_load = time.perf_counter() - t_load
-    info = engine.info
-    max_tokens = min(args.max_tokens, info.max_model_len - len(ids))
-    if max_tokens < 1:
+    if len(ids) >= info.max_model_len:
         raise HotstartError(f"the prompt has {len(ids)} tokens; the model's context is {info.max_model_len}")
-    params = SamplingParams(max_tokens=max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=max(args.top_k, 0), seed=args.seed)
+    params.max_tokens = min(params.max_tokens, info.max_model_len - len(ids))
+    try:
+        limits = EngineLimits(info.max_model_len, 1, getattr(tok, "vocab_size", None))
+        params = resolve(params, len(ids), limits)
+    except ValueError as e:
+        raise HotstartError(str(e)) from None
     detok = IncrementalDetokenizer(tok)
     counts = {"tokens": 0, "first_token_s": None}
     t0 = time.perf_counter()

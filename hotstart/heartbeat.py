@@ -1,5 +1,5 @@
 """Engine liveness: every engine process (every tensor-parallel rank) beats into a small file that the
-API process's supervisor reads (server/supervisor.py). Torch-free, stdlib only: both sides import it.
+API process's supervisor reads (frontend/supervisor.py). Torch-free, stdlib only: both sides import it.
 
 A daemon thread of the engine rewrites its file every period() seconds: [beat count, seconds the
 current step has run (0: between steps)], one pwrite of RECORD (I/O only; it never imports). The

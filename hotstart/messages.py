@@ -14,6 +14,7 @@ import enum
 import msgspec
 
 from hotstart.config import EngineConfig
+from hotstart.sampling_params import SamplingParams
 
 
 class Span(msgspec.Struct, tag="span"):
@@ -32,38 +33,6 @@ class Span(msgspec.Struct, tag="span"):
 
 
 # ---- API process <-> engine ---------------------------------------------------------------------
-
-class SamplingParams(msgspec.Struct, frozen=True):
-    """How one request samples. Defaults are the plain path: a request that keeps them costs the
-    sampler nothing beyond temperature / top-p / top-k."""
-
-    max_tokens: int
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = disabled
-    seed: int | None = None  # choice i of n samples with seed + i
-    stop_token_ids: list[int] = []
-    ignore_eos: bool = False
-    n: int = 1  # choices; they share the prompt's KV blocks
-    min_p: float = 0.0  # drop tokens whose probability is below min_p x the top one's (after temperature)
-    presence_penalty: float = 0.0  # OpenAI: logit -= presence x [count > 0], counts over generated tokens
-    frequency_penalty: float = 0.0  # OpenAI: logit -= frequency x count
-    repetition_penalty: float = 1.0  # HF: over prompt + generated tokens, logit / p if > 0 else logit x p
-    logit_bias: dict[int, float] = {}  # token id -> added to its logit
-    min_tokens: int = 0  # eos and stop_token_ids are masked until this many tokens are generated
-    logprobs: int | None = None  # None: none; k >= 0: the sampled token's raw logprob and the top k
-    prompt_logprobs: int | None = None  # the same for every prompt token but the first (echo)
-    # an llguidance grammar (the JSON text LLMatcher.grammar_from_* returns): the tokens are constrained
-    # to it, eos allowed only where it accepts (engine/grammar.py); built and validated by the API process
-    grammar: str | None = None
-
-    @property
-    def needs_sampler_state(self) -> bool:
-        """True unless the request takes only the plain path (temperature / top-p / top-k)."""
-        return (self.min_p > 0 or self.presence_penalty != 0 or self.frequency_penalty != 0
-                or self.repetition_penalty != 1 or bool(self.logit_bias) or self.min_tokens > 0
-                or self.logprobs is not None or self.prompt_logprobs is not None or self.grammar is not None)
-
 
 class EngineRequest(msgspec.Struct, tag="req"):
     request_id: str

@@ -194,7 +194,8 @@ def greedy_batch(core, logits: list | None = None, max_tokens: tuple[int, ...] =
     fewer if one samples EOS unless IGNORE_EOS), batched on the EngineCore CORE until done: prefills,
     then decodes of as many sequences as are left. LOGITS, if given, gets the logits of every step (for
     tolerance checks). -> tokens per request index."""
-    from hotstart.messages import EngineRequest, SamplingParams
+    from hotstart.messages import EngineRequest
+    from hotstart.sampling_params import SamplingParams
 
     tag = time.monotonic_ns()
     for i, n in enumerate(max_tokens):

@@ -70,7 +70,8 @@ def main() -> None:
 
     from hotstart.config import EngineConfig
     from hotstart.engine.core import EngineCore
-    from hotstart.messages import EngineRequest, SamplingParams
+    from hotstart.messages import EngineRequest
+    from hotstart.sampling_params import SamplingParams
 
     if a.threads:
         torch.set_num_threads(a.threads)

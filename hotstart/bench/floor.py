@@ -24,8 +24,9 @@ READ_THREADS = 4
 # imported" phase of server/launch.py)
 IMPORTS_ALONE = {
     "import_engine": ("forkserver up", "from hotstart.engine import worker"),
-    "import_web": ("web stack imported", "from hotstart.server.api import ApiSettings, build_app\n"
-                   "from hotstart.server.validation import sampling_defaults\n"
+    "import_web": ("web stack imported", "from hotstart.server.api import ApiSettings\n"
+                   "from hotstart.server.routes import build_app\n"
+                   "from hotstart.frontend.sampling import sampling_defaults\n"
                    "from hotstart.text.tokenizer import Tokenizer"),
 }
 

@@ -47,7 +47,7 @@ ORDERS = {"type": "array", "minItems": 50, "items": ORDER, "$defs": {"address": 
 
 
 def _params(max_tokens: int, **extra):
-    from hotstart.messages import SamplingParams
+    from hotstart.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **extra)
 

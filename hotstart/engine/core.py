@@ -26,7 +26,8 @@ from hotstart.engine.placement import Placement
 from hotstart.engine.sampler import Sampler, prompt_logprobs
 from hotstart.engine.scheduler import Scheduler
 from hotstart.engine.sequence import Sequence
-from hotstart.messages import EngineRequest, EngineStats, SamplingParams, TokenLogprobs, TokenOutput
+from hotstart.messages import EngineRequest, EngineStats, TokenLogprobs, TokenOutput
+from hotstart.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from hotstart.engine.distributed import Group

@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from hotstart.messages import SamplingParams, TokenLogprobs
+from hotstart.messages import TokenLogprobs
+from hotstart.sampling_params import SamplingParams
 
 
 @dataclass(eq=False)

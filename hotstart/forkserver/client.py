@@ -180,7 +180,7 @@ class EngineLauncher:
     def poll_events(self, all_generations: bool = False) -> list:
         """Non-blocking: the events that arrived since the last call, typed (see the module docstring).
         Events of earlier engine generations are dropped here, unless ALL_GENERATIONS (several engines
-        share this launcher: server/shared_launcher.py routes them by generation)."""
+        share this launcher: frontend/shared_launcher.py routes them by generation)."""
         from hotstart.framing import FrameError, FrameReader  # noqa: PLC0415
         from hotstart.messages import (  # noqa: PLC0415
             EngineExited,

@@ -2,7 +2,7 @@
 
 from hotstart.llm.llm import LLM
 from hotstart.llm.outputs import CompletionOutput, Logprob, RequestOutput
-from hotstart.llm.params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
+from hotstart.sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 
 __all__ = ["LLM", "CompletionOutput", "GuidedDecodingParams", "Logprob", "RequestOutput", "SamplingParams",
            "StructuredOutputsParams"]

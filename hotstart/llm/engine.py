@@ -12,7 +12,6 @@ import time
 from typing import Any
 
 from hotstart.boot.timeline import Timeline
-from hotstart.config import EngineConfig, ServeConfig
 from hotstart.errors import HotstartError
 
 
@@ -21,47 +20,28 @@ class EngineHandle:
 
     def __init__(self, model: str | None, revision: str | None, engine_kwargs: dict[str, Any],
                  process: bool) -> None:
-        from hotstart.boot.resolve import resolve_model  # noqa: PLC0415 - the start, in order
-        from hotstart.forkserver.client import EngineLauncher  # noqa: PLC0415
-        from hotstart.model.files import weight_files  # noqa: PLC0415
+        from hotstart.config import EngineConfig, ServeConfig  # noqa: PLC0415 - stdlib only
+        from hotstart.frontend.generation import Generation  # noqa: F401, PLC0415 - before the thread
+        from hotstart.frontend.start import EngineStart  # noqa: PLC0415
 
-        t0 = time.time()
-        self.timeline = Timeline(t0)
-        self.launcher = self.cursor = self.prefetcher = None
+        def config(**derived: Any) -> EngineConfig:
+            return EngineConfig(**derived, **engine_kwargs)
+
+        timeline = self.timeline = Timeline(time.time())
+        ranks = engine_kwargs.get("tensor_parallel_size", 1)
         self.client: Any = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread: threading.Thread | None = None
+        if process:  # the forkserver (or this user's zygote) from t=0, the weights prefetched as serve does
+            self.start = EngineStart.with_own_launcher(timeline, config, prefetch=ServeConfig(),
+                                                       auto_restart=False, ranks=ranks)
+        else:
+            self.start = EngineStart(timeline, None, config)
         try:
-            if process:
-                self.launcher = EngineLauncher(use_forkserver=True, zygote="auto")
-                self.launcher.start()  # t=0: torch imports in the forkserver while we go on
-            self.model = resolve_model(model, revision)
-            files = weight_files(self.model.path)
-            if process:
-                from hotstart.model.cursor import LoadCursor  # noqa: PLC0415
-
-                self.cursor = LoadCursor.create(ranks=engine_kwargs.get("tensor_parallel_size", 1))
-            cfg = EngineConfig(model_path=str(self.model.path), weight_files=tuple(map(str, files)),
-                               cursor_path=self.cursor.path if self.cursor else None, t0=t0, **engine_kwargs)
-            if process and self.launcher.use_forkserver:
-                self.launcher.spawn(cfg, world_size=cfg.tensor_parallel_size)
-            if process:
-                from hotstart.server.launch import _start_prefetch  # noqa: PLC0415
-
-                self.prefetcher = _start_prefetch(ServeConfig(), self.model.path, files, self.cursor,
-                                                  self.timeline)
-            from hotstart.server.client import make_engine_client  # noqa: PLC0415
-            from hotstart.server.generation import Generation  # noqa: F401, PLC0415 - before the thread
-            from hotstart.text.tokenizer import Tokenizer  # noqa: PLC0415
-
-            if process:
-                self.client = make_engine_client(cfg, self.timeline, launcher=self.launcher,
-                                                 auto_restart=False)
-            self.tokenizer = Tokenizer.from_dir(self.model.path)
-            if not process:
-                self.client = make_engine_client(cfg, self.timeline)  # builds the core here (torch)
-            elif not self.launcher.use_forkserver:
-                self.client.spawn()
+            self.start.begin(model, revision)  # in process: builds the core here (torch)
+            self.client, self.model = self.start.client, self.start.model
+            self.tokenizer = self.start.load_tokenizer()
+            self.start.spawn_serial()
             self._start_loop()
             self.call(self.client.start())
             self._wait_ready()
@@ -108,12 +88,4 @@ class EngineHandle:
             if not self.loop.is_running():
                 self.loop.close()
             self.loop = None
-        if self.prefetcher is not None:
-            self.prefetcher.stop()
-            self.prefetcher = None
-        if self.launcher is not None:
-            self.launcher.shutdown()
-            self.launcher = None
-        if self.cursor is not None:
-            self.cursor.close()
-            self.cursor = None
+        self.start.close()  # the prefetch, the forkserver it launched, the cursor

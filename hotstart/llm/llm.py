@@ -12,10 +12,11 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+from hotstart.frontend.sampling import EngineLimits, resolve
 from hotstart.llm.engine import EngineHandle
 from hotstart.llm.outputs import CompletionOutput, RequestOutput, position_logprobs, sample_logprobs
-from hotstart.llm.params import SamplingParams
 from hotstart.llm.progress import progress_bar
+from hotstart.sampling_params import SamplingParams
 
 # vLLM engine arguments that mean nothing here (accepted, ignored)
 IGNORED_ARGS = {"trust_remote_code", "enforce_eager", "download_dir", "load_format", "disable_log_stats",
@@ -144,8 +145,10 @@ class LLM:
             items)
         if len(per) != len(items):
             raise ValueError(f"{len(per)} sampling params for {len(items)} prompts")
-        vocab = getattr(self.tokenizer, "vocab_size", None)
-        wire = [sp.to_wire(len(ids), self.max_model_len, vocab) for sp, (_, ids) in zip(per, items)]
+        info, vocab = self._handle.info, getattr(self.tokenizer, "vocab_size", None)
+        limits = EngineLimits(info.max_model_len, info.max_num_seqs, vocab)
+        # the server's checks; a refusal is a RequestError, which is a ValueError
+        wire = [resolve(sp, len(ids), limits) for sp, (_, ids) in zip(per, items)]
         done = [0]
         future = self._handle.submit(self._all(items, per, wire, done))
         with progress_bar(len(items), use_tqdm) as bar:
@@ -159,14 +162,14 @@ class LLM:
         return [self._output(g, text, sp) for g, (text, _), sp in zip(gens, items, per)]
 
     async def _all(self, items, per, wire, done) -> list[Any]:
-        from hotstart.server.generation import Generation  # noqa: PLC0415 - imported before the thread
-        from hotstart.server.metrics import Metrics  # noqa: PLC0415 - likewise (by the serving modules)
+        from hotstart.frontend.generation import Generation  # noqa: PLC0415 - imported before the thread
+        from hotstart.frontend.metrics import Metrics  # noqa: PLC0415 - likewise (by the serving modules)
 
         metrics = Metrics()
 
         async def one(ids: list[int], sp: SamplingParams, params: Any) -> Any:
             gen = Generation(self._handle.client, self.tokenizer, f"llm-{next(_ids)}", ids, params,
-                             sp.stop_strings(), metrics, time.perf_counter())
+                             sp.stop_strings, metrics, time.perf_counter())
             token_ids: list[list[int]] = [[] for _ in range(params.n)]
             for c in gen.choices:
                 c.feed = _recording(c.feed, token_ids[c.index])

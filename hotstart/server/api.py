@@ -1,7 +1,8 @@
-"""The OpenAI-compatible HTTP API (torch-free): build_app(engine, tokenizer, settings) -> FastAPI.
+"""The OpenAI endpoints of one model (torch-free): OpenAIServing, over one engine client and tokenizer.
 
-OpenAIServing holds the endpoints and their checks; build_app adds the HTTP shell around it (routes,
-exception handlers, the gate middleware (server/gate.py): API key, request counting, last-resort 500).
+OpenAIServing holds the endpoints and their checks; server/routes.py's build_app adds the HTTP shell
+around it (routes, exception handlers, the gate middleware (server/gate.py): API key, request counting,
+last-resort 500).
 
 Bodies are read and decoded by hand (size limit, content type, msgspec schemas) instead of through
 FastAPI's pydantic body parameters: no model building at startup, and every error is OpenAI's JSON
@@ -13,44 +14,38 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-from fastapi import FastAPI, Request
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi import Request
 from starlette.responses import Response
 
-from hotstart.server.client import EngineDeadError
-from hotstart.server.errors import ApiError, bad_param, describe
-from hotstart.server.gate import Drain, Gate, error_response, json_response
-from hotstart.server.generation import Generation, GenerationError, close_shielded, unless_disconnected
-from hotstart.server.logprobs import LogprobsFormat
-from hotstart.server.metrics import CONTENT_TYPE, Metrics
-from hotstart.server.responses import ResponsesRequest, ResponseStore
-from hotstart.server.responses_serving import ResponsesServing
-from hotstart.server.schemas import ChatCompletionRequest, CompletionRequest, decode_request, read_body
-from hotstart.server.sse import SSEResponse, sse_events
-from hotstart.server.structured import request_grammar
-from hotstart.server.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
-from hotstart.server.tools import chat_grammar, chat_message, detect_parser, template_messages
-from hotstart.server.validation import (
-    MAX_N,
+from hotstart.errors import RequestError, bad_param, describe
+from hotstart.frontend.client import EngineDeadError
+from hotstart.frontend.generation import Generation, GenerationError, close_shielded, unless_disconnected
+from hotstart.frontend.metrics import CONTENT_TYPE, Metrics
+from hotstart.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from hotstart.frontend.sampling import EngineLimits, from_request, resolve
+from hotstart.frontend.structured import request_grammar
+from hotstart.frontend.tools import chat_grammar, chat_message, detect_parser, template_messages
+from hotstart.frontend.validation import (
     chat_messages,
     check_chat,
     check_completion,
     check_token_ids,
     completion_prompt,
-    sampling_params,
-    stop_strings,
     template_kwargs,
 )
+from hotstart.server.gate import Drain, json_response
+from hotstart.server.logprobs import LogprobsFormat
+from hotstart.server.responses import ResponseStore
+from hotstart.server.sse import SSEResponse, sse_events
 from hotstart.text.tokenizer import ChatTemplateError
 
 if TYPE_CHECKING:
-    from hotstart.messages import SamplingParams
-    from hotstart.server.client import EngineClient
+    from hotstart.frontend.client import EngineClient
+    from hotstart.sampling_params import SamplingParams
     from hotstart.text.tokenizer import Tokenizer
 
 log = logging.getLogger("hotstart")
@@ -76,21 +71,22 @@ class ApiSettings:
     vocab_size: int | None = None
     """Token ids in prompts and stop_token_ids must be below it (default: the tokenizer's)."""
     tool_call_parser: str | None = None
-    """hermes | llama3_json (hotstart/server/tools.py); None: chosen from the chat template's text."""
+    """hermes | llama3_json (hotstart/frontend/tools.py); None: chosen from the chat template's text."""
     auto_tool_choice: bool = True
     """Parse tool calls out of answers to tool_choice auto (else they stay text)."""
     memory_guard: Any = None
-    """A server/memory.py MemoryGuard: new requests wait, then get 503, while memory is short (None: none)."""
+    """A frontend/memory.py MemoryGuard: new requests wait, then get 503, while memory is short (None:
+    none)."""
 
 
 class OpenAIServing:
     """The OpenAI endpoints over one engine handle and one tokenizer, one method per endpoint.
 
     No HTTP plumbing here (build_app registers the bound methods as routes): each endpoint returns a
-    Response or raises ApiError, and its pieces (check_model, model_card, prepare_chat, ...) can be
-    called directly. The engine handle is an EngineClient (server/client.py: in process or over zmq).
-    The endpoints that a request's `model` picks are MODEL_ENDPOINTS (below), which the many-models app
-    (server/multi_api.py) calls on the model's own OpenAIServing.
+    Response or raises RequestError, and its pieces (check_model, model_card, prepare_chat, ...) can be
+    called directly. The engine handle is an EngineClient (frontend/client.py: in process or over zmq).
+    The endpoints that a request's `model` picks are MODEL_ENDPOINTS (server/routes.py), which the
+    many-models app (server/multi_api.py) calls on the model's own OpenAIServing.
 
     METRICS, DRAIN, STORE: a many-models server's (kept across a model's loads, one drain for the server,
     one Responses store for all models); by default this serving's own."""
@@ -104,7 +100,7 @@ class OpenAIServing:
         self.metrics = metrics or Metrics(settings.served_model_names[0])
         # SIGTERM's (server/launch.py): the gate refuses new requests while it drains
         self.drain = drain or Drain()
-        self.responses = ResponsesServing(self, store)
+        self.store = store or ResponseStore()  # the Responses API's past conversations (server/routes.py)
         self.names = list(settings.served_model_names)
         self.created = int(time.time())
         self.vocab_size = settings.vocab_size or getattr(tokenizer, "vocab_size", None)
@@ -114,41 +110,47 @@ class OpenAIServing:
 
     # --- checks and helpers --------------------------------------------------------------------
     @property
-    def max_model_len(self) -> int | None:
+    def limits(self) -> EngineLimits:
         info = self.engine.info
-        return info.max_model_len if info is not None else self.settings.max_model_len
+        if info is None:
+            return EngineLimits(self.settings.max_model_len, None, self.vocab_size)
+        return EngineLimits(info.max_model_len, info.max_num_seqs, self.vocab_size)
 
     @property
-    def max_n(self) -> int:
-        """Largest `n`: MAX_N, and no more than the engine batches (its max_num_seqs)."""
-        info = self.engine.info
-        return min(MAX_N, info.max_num_seqs) if info is not None else MAX_N
+    def max_model_len(self) -> int | None:
+        return self.limits.max_model_len
 
     def check_model(self, name: str) -> str:
         """The name reported in responses (the first served one), or 404 if NAME is not served."""
         if name not in self.names:
-            raise ApiError(404, f"The model `{name}` does not exist. Served: {', '.join(self.names)}",
-                           param="model", code="model_not_found")
+            raise RequestError(404, f"The model `{name}` does not exist. Served: {', '.join(self.names)}",
+                               param="model", code="model_not_found")
         return self.names[0]
 
     def require_ready(self) -> None:
         if not self.engine.ready:
-            raise ApiError(503, f"the engine is not ready ({self.engine.status})", code="engine_not_ready")
+            raise RequestError(503, f"the engine is not ready ({self.engine.status})",
+                               code="engine_not_ready")
 
     def sampling(self, req: Any, max_tokens: int | None, max_param: str, n_prompt: int, prompt_param: str,
-                 logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
-        return sampling_params(req, max_tokens, max_param, n_prompt, prompt_param, self.max_model_len,
-                               self.settings.sampling_defaults, self.vocab_size, logprobs, prompt_logprobs)
+                 logprobs: int | None = None, prompt_logprobs: int | None = None,
+                 grammar: str | None = None) -> SamplingParams:
+        """REQ's SamplingParams for a prompt of N_PROMPT tokens, resolved against the engine."""
+        params = from_request(req, self.settings.sampling_defaults, max_tokens=max_tokens,
+                              max_param=max_param, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        return resolve(params, n_prompt, self.limits, prompt_param=prompt_param, max_param=max_param,
+                       grammar=grammar)
 
     @staticmethod
-    def engine_error(e: Exception) -> ApiError:
+    def engine_error(e: Exception) -> RequestError:
         """What a failure while generating is answered with."""
         if isinstance(e, EngineDeadError):
-            return ApiError(503, f"the engine stopped while running this request ({e})", code="engine_dead")
+            return RequestError(503, f"the engine stopped while running this request ({e})",
+                                code="engine_dead")
         if isinstance(e, GenerationError):
-            return ApiError(500, f"the engine could not run this request: {e}", code="engine_error")
+            return RequestError(500, f"the engine could not run this request: {e}", code="engine_error")
         log.error("hotstart: internal error while generating: %s", describe(e))
-        return ApiError(500, "internal server error", code="internal_error")
+        return RequestError(500, "internal server error", code="internal_error")
 
     def mark_served(self, reason: str) -> None:
         """Generation's callback: the first served request is a timeline event."""
@@ -161,9 +163,9 @@ class OpenAIServing:
                 "root": self.names[0], "parent": None, "max_model_len": self.max_model_len}
 
     def prepare_chat(self, req: ChatCompletionRequest) -> tuple[str, list[int], SamplingParams]:
-        """(model, prompt ids, sampling params) of a chat request, or ApiError."""
+        """(model, prompt ids, sampling params) of a chat request, or RequestError."""
         model = self.check_model(req.model)
-        check_chat(req, self.max_n)
+        check_chat(req)
         messages = template_messages(chat_messages(req))
         kwargs = template_kwargs(req)
         grammar = chat_grammar(req, self.tool_parser)
@@ -172,18 +174,18 @@ class OpenAIServing:
         try:
             ids = self.tokenizer.encode_chat(messages, req.add_generation_prompt, tools, **kwargs)
         except ChatTemplateError as e:
-            raise ApiError(400, str(e), param="messages", code="chat_template_error") from None
+            raise RequestError(400, str(e), param="messages", code="chat_template_error") from None
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.sampling(
-            req, req.max_completion_tokens or req.max_tokens, max_param, len(ids), "messages", logprobs
-        )
-        return model, ids, msgspec.structs.replace(params, grammar=grammar) if grammar else params
+        params = self.sampling(req, req.max_completion_tokens or req.max_tokens, max_param, len(ids),
+                               "messages", logprobs, grammar=grammar)
+        return model, ids, params
 
     def prepare_completion(self, req: CompletionRequest) -> tuple[str, list[int], SamplingParams, str]:
-        """(model, prompt ids, sampling params, echoed prompt text) of a completion request, or ApiError."""
+        """(model, prompt ids, sampling params, echoed prompt text) of a completion request; RequestError
+        if it is refused."""
         model = self.check_model(req.model)
-        check_completion(req, self.max_n)
+        check_completion(req)
         prompt = completion_prompt(req.prompt)
         grammar = request_grammar(req)
         self.require_ready()
@@ -195,11 +197,10 @@ class OpenAIServing:
         if not ids:
             raise bad_param("prompt", "the prompt encodes to no tokens")
         prompt_logprobs = req.logprobs if req.echo else None
-        params = self.sampling(
-            req, req.max_tokens, "max_tokens", len(ids), "prompt", req.logprobs, prompt_logprobs
-        )
+        params = self.sampling(req, req.max_tokens, "max_tokens", len(ids), "prompt", req.logprobs,
+                               prompt_logprobs, grammar=grammar)
         echo = "" if not req.echo else prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
-        return model, ids, msgspec.structs.replace(params, grammar=grammar) if grammar else params, echo
+        return model, ids, params, echo
 
     def generation(self, rid: str, ids: list[int], params: SamplingParams, stops: list[str],
                    t0: float) -> Generation:
@@ -215,7 +216,7 @@ class OpenAIServing:
                   t0: float, chat: bool, echo: str = "") -> Response:
         """Generate: an SSE stream if `req.stream`, else the whole answer (499 if the client left)."""
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        gen = self.generation(rid, ids, params, stop_strings(req), t0)
+        gen = self.generation(rid, ids, params, params.stop_strings, t0)
         head: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                                 "created": int(time.time()), "model": model}
         if chat:
@@ -313,83 +314,3 @@ class OpenAIServing:
         self.metrics.draining.set(1 if self.drain.draining else 0)
         self.metrics.update_fast_path(self.engine.fast_path)
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
-
-
-@dataclass(frozen=True)
-class ModelEndpoint:
-    """A POST endpoint answered by one model's OpenAIServing: the body's schema (with a `model` field) and
-    HANDLE(serving, request, decoded body, t0 = the request's arrival, time.perf_counter())."""
-
-    path: str
-    schema: type[msgspec.Struct]
-    handle: Callable[[OpenAIServing, Request, Any, float], Awaitable[Response]]
-
-
-async def _responses(s: OpenAIServing, request: Request, req: ResponsesRequest, t0: float) -> Response:
-    return await s.responses.create(request, req, t0)
-
-
-async def _tokenize(s: OpenAIServing, request: Request, req: TokenizeRequest, t0: float) -> Response:
-    return tokenize(s, req)
-
-
-async def _detokenize(s: OpenAIServing, request: Request, req: DetokenizeRequest, t0: float) -> Response:
-    return detokenize(s, req)
-
-
-# the endpoints of one model: the single-model app routes them to its serving, the many-models app to the
-# serving of the model that a request's `model` names (server/multi_api.py)
-MODEL_ENDPOINTS = (
-    ModelEndpoint("/v1/chat/completions", ChatCompletionRequest, OpenAIServing.chat_completions),
-    ModelEndpoint("/v1/completions", CompletionRequest, OpenAIServing.completions),
-    ModelEndpoint("/v1/responses", ResponsesRequest, _responses),
-    ModelEndpoint("/tokenize", TokenizeRequest, _tokenize),
-    ModelEndpoint("/detokenize", DetokenizeRequest, _detokenize),
-)
-
-
-def model_route(serving: OpenAIServing, ep: ModelEndpoint) -> Callable[[Request], Awaitable[Response]]:
-    """The route of EP on one model's app: read and decode the body, answer with SERVING."""
-
-    async def route(request: Request) -> Response:
-        t0 = time.perf_counter()
-        req = decode_request(await read_body(request, serving.settings.max_request_bytes), ep.schema)
-        return await ep.handle(serving, request, req, t0)
-
-    return route
-
-
-async def _api_error(request: Request, exc: ApiError) -> Response:
-    return error_response(exc)
-
-
-async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-    msg = f"{request.method} {request.url.path}: {exc.detail}"
-    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    return error_response(ApiError(exc.status_code, msg, code=code))
-
-
-def build_app(engine: EngineClient, tokenizer: Tokenizer, settings: ApiSettings) -> FastAPI:
-    """The app. `app.state.metrics` is its Metrics; `app.state.set_startup_seconds(s)` sets the
-    startup-duration gauge (the serve command calls it once the engine is ready); setting
-    `app.state.prefetch_stats` to a callable adds its result under "prefetch" in /startup."""
-    serving = OpenAIServing(engine, tokenizer, settings)
-    app = FastAPI(title="hotstart", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.metrics = serving.metrics
-    app.state.set_startup_seconds = serving.metrics.set_startup_duration
-    app.state.prefetch_stats = None
-    app.state.download_stats = None  # s3:// models: a callable, its result under "download" in /startup
-    app.state.drain = serving.drain  # server/launch.py begins (and forces) it on SIGTERM
-    app.add_middleware(Gate, api_key=settings.api_key, metrics=serving.metrics, drain=serving.drain,
-                       memory=settings.memory_guard)
-    app.add_exception_handler(ApiError, _api_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
-    for ep in MODEL_ENDPOINTS:
-        app.add_api_route(ep.path, model_route(serving, ep), methods=["POST"])
-    app.add_api_route("/v1/models", serving.list_models, methods=["GET"])
-    app.add_api_route("/v1/models/{name:path}", serving.get_model, methods=["GET"])
-    app.add_api_route("/health", serving.health, methods=["GET"])
-    app.add_api_route("/live", serving.live, methods=["GET"])
-    app.add_api_route("/startup", serving.startup, methods=["GET"])
-    app.add_api_route("/metrics", serving.prometheus, methods=["GET"])
-    return app

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from hotstart.server.errors import ApiError
+from hotstart.errors import RequestError
 
 log = logging.getLogger("hotstart")
 OVER_CAP_HEADER_S = 2.0  # header deadline of a connection opened past the cap
@@ -42,7 +42,7 @@ class ConnectionLimits:
 
 
 def over_capacity_body(limit: int) -> bytes:
-    err = ApiError(
+    err = RequestError(
         503,
         f"the server has too many open connections (--max-connections {limit}): retry the request shortly",
         code="too_many_connections",

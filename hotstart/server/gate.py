@@ -1,5 +1,5 @@
 """The ASGI gate in front of every endpoint: API key, request counting, the drain (SIGTERM), memory
-pressure (server/memory.py), last-resort 500 (torch-free)."""
+pressure (frontend/memory.py), last-resort 500 (torch-free)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ import time
 from typing import Any
 
 import msgspec
-from starlette.requests import ClientDisconnect
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from hotstart.server.errors import ApiError, describe
-from hotstart.server.metrics import Metrics
+from hotstart.errors import RequestError, describe
+from hotstart.frontend.metrics import Metrics
 
 log = logging.getLogger("hotstart")
 _json = msgspec.json.Encoder()
@@ -30,8 +31,28 @@ def json_response(obj: Any, status: int = 200) -> Response:
     return Response(_json.encode(obj), status_code=status, media_type="application/json")
 
 
-def error_response(err: ApiError) -> Response:
-    return json_response(err.body(), err.status)
+def error_response(err: RequestError) -> Response:
+    resp = json_response(err.body(), err.status)
+    if err.retry_after is not None:
+        resp.headers["Retry-After"] = f"{err.retry_after:g}"
+    return resp
+
+
+async def _request_error(request: Request, exc: RequestError) -> Response:
+    return error_response(exc)
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    msg = f"{request.method} {request.url.path}: {exc.detail}"
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return error_response(RequestError(exc.status_code, msg, code=code))
+
+
+def add_error_handlers(app) -> None:
+    """Refused requests (RequestError, its subclasses included) and Starlette's own 404 / 405 in OpenAI's
+    error shape."""
+    app.add_exception_handler(RequestError, _request_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
 
 
 class Drain:
@@ -62,8 +83,8 @@ class Drain:
         return not self.in_flight
 
     def refusal(self) -> Response:
-        err = ApiError(503, "the server is shutting down: retry the request (on another replica)",
-                       code="server_draining")
+        err = RequestError(503, "the server is shutting down: retry the request (on another replica)",
+                           code="server_draining")
         resp = error_response(err)
         resp.headers["Retry-After"] = str(RETRY_AFTER_S)
         return resp
@@ -76,7 +97,7 @@ class Drain:
 
 class Gate:
     """Pure ASGI middleware: the API-key check (every path but /health and /live), request counting by
-    status, the drain (Drain above), memory pressure (MEMORY, a server/memory.py MemoryGuard: a POST
+    status, the drain (Drain above), memory pressure (MEMORY, a frontend/memory.py MemoryGuard: a POST
     waits briefly, then 503, while memory is short), and the last resort for unexpected exceptions: a
     one-line log and an OpenAI-shaped 500, never a traceback (Starlette's ServerErrorMiddleware would
     answer, then re-raise it to uvicorn's log)."""
@@ -120,8 +141,8 @@ class Gate:
         drain = self.drain
         try:
             if self.key is not None and path not in self.OPEN_PATHS and not self.authorized(scope):
-                err = ApiError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`",
-                               code="invalid_api_key")
+                err = RequestError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`",
+                                   code="invalid_api_key")
                 return await error_response(err)(scope, receive, send_counted)
             if drain.draining and (counted or path == "/health"):
                 resp = drain.refusal() if counted else drain.health()
@@ -129,7 +150,7 @@ class Gate:
             if self.memory is not None and scope["method"] == "POST":  # new work: generation, a load
                 refusal = await self.memory.admit()
                 if refusal is not None:
-                    return await refusal(scope, receive, send_counted)
+                    return await error_response(refusal)(scope, receive, send_counted)
             if counted:
                 drain.in_flight += 1
             try:
@@ -142,7 +163,7 @@ class Gate:
         except Exception as exc:  # noqa: BLE001 - the last resort: answer, log one line, keep serving
             log.error("hotstart: internal error on %s: %s", path, describe(exc))
             if not started:
-                err = ApiError(500, "internal server error", code="internal_error")
+                err = RequestError(500, "internal server error", code="internal_error")
                 await error_response(err)(scope, receive, send_counted)
             else:
                 status = 500

@@ -1,5 +1,5 @@
 """The HTTP side of several models (torch-free): each request's `model` picks a ModelRecord through the
-router (server/router.py), and the model's own OpenAIServing (server/api.py) answers it.
+router (frontend/router.py), and the model's own OpenAIServing (server/api.py) answers it.
 
 The endpoints of one model (api.py MODEL_ENDPOINTS: /v1/chat/completions, /v1/completions,
 /v1/responses, /tokenize, /detokenize) are the single-model app's own handlers, called on the serving of
@@ -29,17 +29,16 @@ import msgspec
 from fastapi import FastAPI, Request
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.exposition import generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response, StreamingResponse
 
-from hotstart.server.api import MODEL_ENDPOINTS, ModelEndpoint, _api_error, _http_error
-from hotstart.server.errors import ApiError, bad_param
-from hotstart.server.gate import Drain, Gate, error_response, json_response
-from hotstart.server.memory import memory_guard
-from hotstart.server.metrics import CONTENT_TYPE, Metrics
-from hotstart.server.model_specs import parse_duration
+from hotstart.errors import RequestError, bad_param
+from hotstart.frontend.memory import memory_guard
+from hotstart.frontend.metrics import CONTENT_TYPE, Metrics
+from hotstart.frontend.model_specs import parse_duration
+from hotstart.frontend.router import UNSET, ModelRecord, ModelRouter, State
+from hotstart.server.gate import Drain, Gate, add_error_handlers, json_response
 from hotstart.server.responses import ResponseStore
-from hotstart.server.router import UNSET, ModelRecord, ModelRouter, RetryLater, State
+from hotstart.server.routes import MODEL_ENDPOINTS, ModelEndpoint
 from hotstart.server.schemas import decode_request, read_body
 
 
@@ -54,7 +53,7 @@ def keep_alive_of(body: bytes) -> Any:
     except msgspec.ValidationError:
         raise bad_param("keep_alive", "keep_alive must be a duration (\"5m\", \"30s\") or seconds") from None
     except msgspec.DecodeError:
-        raise ApiError(400, "the body is not valid JSON", code="invalid_json") from None
+        raise RequestError(400, "the body is not valid JSON", code="invalid_json") from None
     if raw is None:
         return UNSET
     try:
@@ -176,7 +175,7 @@ class MultiServing:
     async def unload_model(self, name: str) -> Response:
         rec = self.router.lookup(name)
         if rec.state is State.LOADING:
-            raise ApiError(409, f"model `{name}` is loading; unload it once loaded", code="model_loading")
+            raise RequestError(409, f"model `{name}` is loading; unload it once loaded", code="model_loading")
         if rec.state is State.LOADED and rec.in_flight:
             rec.extra["unload_when_idle"] = True
             return json_response(self.card(rec), 202)
@@ -228,12 +227,6 @@ class MultiServing:
         return Response(merged(parts), media_type=CONTENT_TYPE)
 
 
-async def _retry_later(request: Request, exc: RetryLater) -> Response:
-    resp = error_response(exc)
-    resp.headers["Retry-After"] = str(exc.retry_after)
-    return resp
-
-
 def build_multi_app(router: ModelRouter, cfg, timeline) -> FastAPI:
     """The app. `app.state.drain` is the server's Drain and `app.state.store` the Responses store: the
     servings that ROUTER.make_serving builds take both (server/multi_launch.py serving_maker)."""
@@ -245,9 +238,7 @@ def build_multi_app(router: ModelRouter, cfg, timeline) -> FastAPI:
     app.state.store = serving.store
     app.add_middleware(Gate, api_key=cfg.api_key, metrics=serving.metrics, drain=serving.drain,
                        memory=memory_guard(cfg.min_free_memory))
-    app.add_exception_handler(RetryLater, _retry_later)
-    app.add_exception_handler(ApiError, _api_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
+    add_error_handlers(app)
     for ep in MODEL_ENDPOINTS:
         app.add_api_route(ep.path, serving.route(ep), methods=["POST"])
     app.add_api_route("/v1/models", serving.list_models, methods=["GET"])

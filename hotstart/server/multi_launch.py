@@ -3,7 +3,7 @@
 The one warm forkserver (or the zygote) is started at t=0 as for one model; the models are resolved
 (ms, an error names the spec and ends the start), the web stack imported, the socket bound, and then
 nothing is loaded until a request names a model (or --preload). Each load forks an engine from the
-forkserver (server/shared_launcher.py), supervised as one model's engine is; server/router.py decides
+forkserver (frontend/shared_launcher.py), supervised as one model's engine is; frontend/router.py decides
 when to load and unload, server/multi_api.py answers the HTTP side. /health is 200 once the server is
 up and every --preload model is loaded: it does not wait for models nobody asked for.
 """
@@ -22,8 +22,8 @@ from hotstart.boot.timeline import Timeline
 from hotstart.config import EngineConfig, ServeConfig
 from hotstart.errors import HotstartError
 from hotstart.forkserver.client import EngineLauncher
-from hotstart.server.model_specs import ModelsConfig, ModelSpec, parse_duration
-from hotstart.server.router import ModelRecord, ModelRouter
+from hotstart.frontend.model_specs import ModelsConfig, ModelSpec, parse_duration
+from hotstart.frontend.router import ModelRecord, ModelRouter
 
 log = logging.getLogger("hotstart")
 
@@ -92,22 +92,22 @@ def run_serve_many(args: argparse.Namespace, cfg: ServeConfig, specs: list[Model
             raise HotstartError("--served-model-name applies to one model; name several with NAME=PATH")
         with timeline.phase("web stack imported"):
             from hotstart.server.multi_api import build_multi_app  # noqa: PLC0415
-        from hotstart.server.shared_launcher import SharedLauncher  # noqa: PLC0415
+        from hotstart.frontend.shared_launcher import SharedLauncher  # noqa: PLC0415
         from hotstart.system import mem_available  # noqa: PLC0415
 
         budget = mcfg.models_memory or mem_available() or (1 << 62)
         records = []
         for name, m in resolved:
             weights, kv = estimate_cost(Path(m.path), args, budget, mcfg.max_loaded_models)
-            records.append(ModelRecord(name, str(m.path), cost=weights + kv, extra={"kv_bytes": kv}))
+            records.append(ModelRecord(name, str(m.path), cost=weights + kv,
+                                       extra={"kv_bytes": kv, "resolved": m}))
         shared = SharedLauncher(launcher) if launcher.use_forkserver else None
         router = ModelRouter(records, None, None, max_loaded=mcfg.max_loaded_models, budget=budget,
                              keep_alive=parse_duration(mcfg.keep_alive),
                              max_waiting=mcfg.max_waiting_requests, preload=preload)
 
-        def engine_config(rec: ModelRecord, files: list[Path]) -> EngineConfig:
-            cfg = EngineConfig.from_args(args, model_path=rec.path, weight_files=tuple(map(str, files)),
-                                         cursor_path=None, t0=time.time())
+        def engine_config(rec: ModelRecord, **derived) -> EngineConfig:
+            cfg = EngineConfig.from_args(args, **derived)
             kv = rec.extra.get("kv_bytes")  # the engine allocates what the budget counted for it
             if kv and cfg.kv_cache_memory is None:
                 cfg = dataclasses.replace(cfg, kv_cache_memory=kv)
@@ -117,16 +117,16 @@ def run_serve_many(args: argparse.Namespace, cfg: ServeConfig, specs: list[Model
                                              cfg.restart)
         app = build_multi_app(router, cfg, timeline)
         router.make_serving = serving_maker(cfg, app.state.drain, app.state.store)
-        from hotstart.server.launch import _bind, _serve  # noqa: PLC0415
+        from hotstart.server.http import bind, serve  # noqa: PLC0415
 
         with timeline.phase("socket bound"):
-            sock = _bind(cfg.host, cfg.port)
+            sock = bind(cfg.host, cfg.port)
         host, port = sock.getsockname()[:2]
         if cfg.host in ("0.0.0.0", "::") and not cfg.api_key:
             log.warning("hotstart: WARNING: listening on all interfaces without --api-key")
         print(f"hotstart: serving {len(records)} models ({', '.join(router.records)}) on "
               f"http://{host}:{port} (health: /health)", file=sys.stderr, flush=True)
-        return asyncio.run(_serve(app, sock, RouterLifecycle(router, timeline), cfg))
+        return asyncio.run(serve(app, sock, RouterLifecycle(router, timeline), cfg))
     finally:
         for remote in remotes:
             remote.stop()
@@ -134,30 +134,28 @@ def run_serve_many(args: argparse.Namespace, cfg: ServeConfig, specs: list[Model
 
 
 def engine_starter(router: ModelRouter, shared, use_forkserver: bool, engine_config, auto_restart: bool):
-    """start_engine(rec) for the router: the tokenizer (once per model), then an engine forked from the
-    shared forkserver (or spawned), its client started; a load error raises (the record fails)."""
+    """start_engine(rec) for the router: an engine forked from the shared forkserver (or spawned) through
+    the one start sequence (frontend/start.py), its client started, then the tokenizer (once per model);
+    a load error raises (the record fails)."""
     import encodings.unicode_escape  # noqa: F401, PLC0415 - what Tokenizer.from_dir imports: it runs off the loop
 
-    from hotstart.model.files import weight_files  # noqa: PLC0415
-    from hotstart.server.client import make_engine_client  # noqa: PLC0415
-    from hotstart.server.shared_launcher import launcher_for  # noqa: PLC0415
-    from hotstart.text.tokenizer import Tokenizer  # noqa: PLC0415
+    from hotstart.frontend.shared_launcher import launcher_for  # noqa: PLC0415
+    from hotstart.frontend.start import EngineStart  # noqa: PLC0415
+    from hotstart.text.tokenizer import Tokenizer  # noqa: F401, PLC0415 - likewise, before the worker thread
 
     async def start(rec: ModelRecord):
         timeline = rec.extra["timeline"] = Timeline(time.time())
-        files = weight_files(Path(rec.path))
-        launcher = launcher_for(shared, use_forkserver)
-        client = make_engine_client(engine_config(rec, files), timeline, launcher=launcher,
-                                    auto_restart=auto_restart)
+        begun = EngineStart(timeline, launcher_for(shared, use_forkserver),
+                            lambda **derived: engine_config(rec, **derived), auto_restart=auto_restart)
+        begun.begin(resolved=rec.extra["resolved"])
+        client = begun.client
         client.on_fatal = lambda message: router.engine_fatal(rec, message)
         client.on_ready = router.notify
-        client.spawn()  # the engine loads its weights while the tokenizer is read here
+        begun.spawn_serial()  # without a forkserver: a fresh interpreter (begin sent it to the forkserver)
         await client.start()
         if rec.tokenizer is None:  # on a worker thread: a large tokenizer.json takes 100s of ms to parse,
             try:  # and the other models' streams go on meanwhile
-                with timeline.phase("tokenizer loaded"):
-                    rec.tokenizer = await asyncio.get_running_loop().run_in_executor(
-                        None, Tokenizer.from_dir, rec.path)
+                rec.tokenizer = await asyncio.get_running_loop().run_in_executor(None, begun.load_tokenizer)
             except BaseException:
                 await client.close()
                 raise
@@ -169,9 +167,9 @@ def engine_starter(router: ModelRouter, shared, use_forkserver: bool, engine_con
 def serving_maker(cfg: ServeConfig, drain, store):
     """make_serving(rec): the OpenAIServing of a loaded model (its metrics kept across loads), with the
     server's DRAIN (server/gate.py) and Responses STORE (one for every model)."""
+    from hotstart.frontend.metrics import Metrics  # noqa: PLC0415
+    from hotstart.frontend.validation import sampling_defaults  # noqa: PLC0415
     from hotstart.server.api import ApiSettings, OpenAIServing  # noqa: PLC0415
-    from hotstart.server.metrics import Metrics  # noqa: PLC0415
-    from hotstart.server.validation import sampling_defaults  # noqa: PLC0415
 
     def make(rec: ModelRecord):
         settings = ApiSettings(

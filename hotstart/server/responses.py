@@ -21,9 +21,9 @@ from typing import Any
 
 import msgspec
 
-from hotstart.server.errors import bad_param, unsupported
-from hotstart.server.schemas import ChatCompletionRequest
-from hotstart.server.validation import check_depth
+from hotstart.errors import bad_param, unsupported
+from hotstart.frontend.protocol import ChatCompletionRequest
+from hotstart.frontend.validation import check_depth
 
 STORE_MAX_RESPONSES = 1000
 _TEXT_PARTS = ("input_text", "output_text", "text")

@@ -18,10 +18,11 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from hotstart.server.client import EngineDeadError
-from hotstart.server.errors import ApiError
+from hotstart.errors import RequestError
+from hotstart.frontend.client import EngineDeadError
+from hotstart.frontend.generation import GenerationError, close_shielded, unless_disconnected
+from hotstart.frontend.tools import chat_message
 from hotstart.server.gate import json_response
-from hotstart.server.generation import GenerationError, close_shielded, unless_disconnected
 from hotstart.server.responses import (
     ResponsesRequest,
     ResponseStore,
@@ -35,11 +36,10 @@ from hotstart.server.responses import (
     response_object,
 )
 from hotstart.server.sse import SSEResponse
-from hotstart.server.tools import chat_message
 
 if TYPE_CHECKING:
+    from hotstart.frontend.generation import Generation
     from hotstart.server.api import OpenAIServing
-    from hotstart.server.generation import Generation
 
 _json = msgspec.json.Encoder()
 
@@ -48,9 +48,8 @@ class ResponsesServing:
     """The Responses endpoint of SERVING, with its store of past conversations (a many-models server
     shares one store between its models: server/multi_api.py)."""
 
-    def __init__(self, serving: OpenAIServing, store: ResponseStore | None = None) -> None:
-        self.serving = serving
-        self.store = store or ResponseStore()
+    def __init__(self, serving: OpenAIServing, store: ResponseStore) -> None:
+        self.serving, self.store = serving, store
 
     async def create(self, request: Request, req: ResponsesRequest, t0: float) -> Response:
         s = self.serving
@@ -59,8 +58,8 @@ class ResponsesServing:
         if req.previous_response_id is not None:
             found = self.store.get(req.previous_response_id)
             if found is None:
-                raise ApiError(404, f"Previous response with id '{req.previous_response_id}' not found.",
-                               param="previous_response_id", code="previous_response_not_found")
+                raise RequestError(404, f"Previous response with id '{req.previous_response_id}' not found.",
+                                   param="previous_response_id", code="previous_response_not_found")
             history = found
         chat, conversation = chat_request(req, history)
         model, ids, params = s.prepare_chat(chat)

@@ -9,10 +9,10 @@ from typing import Any
 import msgspec
 from starlette.responses import StreamingResponse
 
-from hotstart.server.errors import error_body
-from hotstart.server.generation import Generation, close_shielded
+from hotstart.errors import error_body
+from hotstart.frontend.generation import Generation, close_shielded
+from hotstart.frontend.tools import ToolStream
 from hotstart.server.logprobs import LogprobsFormat
-from hotstart.server.tools import ToolStream
 
 _json = msgspec.json.Encoder()
 DONE = b"data: [DONE]\n\n"

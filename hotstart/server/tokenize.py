@@ -15,17 +15,17 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from starlette.responses import Response
 
-from hotstart.server.errors import ApiError, bad_param
-from hotstart.server.gate import json_response
-from hotstart.server.schemas import ChatMessage
-from hotstart.server.tools import template_messages
-from hotstart.server.validation import (
+from hotstart.errors import RequestError, bad_param
+from hotstart.frontend.protocol import ChatMessage
+from hotstart.frontend.tools import template_messages
+from hotstart.frontend.validation import (
     chat_messages,
     check_depth,
     check_token_ids,
     check_tool,
     template_kwargs,
 )
+from hotstart.server.gate import json_response
 from hotstart.text.tokenizer import ChatTemplateError
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ class _Chat(msgspec.Struct):
 
 
 def tokenize_ids(serving: OpenAIServing, req: TokenizeRequest) -> list[int]:
-    """The ids of REQ's prompt or messages, or ApiError 400."""
+    """The ids of REQ's prompt or messages, or RequestError 400."""
     if (req.prompt is None) == (req.messages is None):
         raise bad_param("prompt", "send exactly one of `prompt` and `messages`")
     if req.prompt is not None:
@@ -78,7 +78,7 @@ def tokenize_ids(serving: OpenAIServing, req: TokenizeRequest) -> list[int]:
     try:
         text = serving.tokenizer.apply_chat_template(messages, req.add_generation_prompt, req.tools, **kwargs)
     except ChatTemplateError as e:
-        raise ApiError(400, str(e), param="messages", code="chat_template_error") from None
+        raise RequestError(400, str(e), param="messages", code="chat_template_error") from None
     except TypeError as e:  # a template argument the tokenizer does not take
         raise bad_param("messages", f"cannot apply the chat template: {e}") from None
     return serving.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))

@@ -161,10 +161,11 @@ def test_readahead_cap_from_sys(tmp_path):
 
 
 def test_method_flag_reaches_the_prefetcher(cold_file, monkeypatch):
+    from hotstart.boot.resolve import ResolvedModel
     from hotstart.boot.timeline import Timeline
     from hotstart.cli import build_parser
     from hotstart.config import ServeConfig
-    from hotstart.server import launch
+    from hotstart.frontend.start import EngineStart
 
     args = build_parser().parse_args(["serve", "--prefetch-method", "madvise"])
     cfg = ServeConfig.from_args(args)
@@ -173,7 +174,9 @@ def test_method_flag_reaches_the_prefetcher(cold_file, monkeypatch):
         build_parser().parse_args(["serve", "--prefetch-method", "mmap"])
     monkeypatch.setattr("hotstart.model.files.sidecar_files", lambda path: [])
     timeline = Timeline(time.time())
-    pf = launch._start_prefetch(cfg, cold_file.parent, [cold_file], None, timeline)
+    start = EngineStart(timeline, None, None, prefetch=cfg)
+    start.model, start.files = ResolvedModel(cold_file.parent, "local", "cold"), [cold_file]
+    pf = start.start_prefetch(cfg)
     assert pf is not None and pf.wait(30) and pf.stats()["method"] == "madvise"
     span = next(s for s in timeline.events if s.name == "prefetch started")
     assert "madvise" in span.detail

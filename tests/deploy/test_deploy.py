@@ -57,7 +57,8 @@ def serve_defaults():
 
 
 def test_probes_hit_real_paths_on_the_cli_default_port():
-    from hotstart.server.api import ApiSettings, build_app
+    from hotstart.server.api import ApiSettings
+    from hotstart.server.routes import build_app
 
     class Tok:
         vocab_size = 10
@@ -96,8 +97,8 @@ def test_systemd_server_command_line_parses():
 
 def live_metric_names() -> set[str]:
     """Names in a /metrics body of a server that served a request (histogram and counter suffixes kept)."""
+    from hotstart.frontend.metrics import Metrics
     from hotstart.messages import EngineStats
-    from hotstart.server.metrics import Metrics
 
     m = Metrics("SmolLM2-135M-Instruct")
     m.update_engine(EngineStats(), True)

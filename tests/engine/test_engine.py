@@ -6,7 +6,8 @@ import pytest
 
 from hotstart.config import EngineConfig
 from hotstart.engine.core import EngineCore
-from hotstart.messages import EngineRequest, SamplingParams
+from hotstart.messages import EngineRequest
+from hotstart.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -16,10 +16,11 @@ from helpers.models import make_tiny
 
 from hotstart.config import EngineConfig
 from hotstart.engine.core import EngineCore
-from hotstart.messages import EngineRequest, SamplingParams
+from hotstart.frontend.structured import choice_regex, compile_grammar
+from hotstart.frontend.tools import HERMES, parse, tool_grammar
+from hotstart.messages import EngineRequest
 from hotstart.model.files import weight_files
-from hotstart.server.structured import choice_regex, compile_grammar
-from hotstart.server.tools import HERMES, parse, tool_grammar
+from hotstart.sampling_params import SamplingParams
 
 PET = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 30},
@@ -233,7 +234,8 @@ def test_unconstrained_requests_load_nothing(model_dir):
 import sys
 from hotstart.config import EngineConfig
 from hotstart.engine.core import EngineCore
-from hotstart.messages import EngineRequest, SamplingParams
+from hotstart.messages import EngineRequest
+from hotstart.sampling_params import SamplingParams
 from hotstart.model.files import weight_files
 d = {str(model_dir)!r}
 files = tuple(map(str, weight_files(d)))
@@ -262,9 +264,10 @@ def hook(e, a):
 sys.addaudithook(hook)
 from hotstart.config import EngineConfig
 from hotstart.engine.core import EngineCore
-from hotstart.messages import EngineRequest, SamplingParams
+from hotstart.messages import EngineRequest
+from hotstart.sampling_params import SamplingParams
 from hotstart.model.files import weight_files
-from hotstart.server.structured import compile_grammar
+from hotstart.frontend.structured import compile_grammar
 d = {str(model_dir)!r}
 files = tuple(map(str, weight_files(d)))
 core = EngineCore.build(EngineConfig(model_path=d, weight_files=files, device="cpu",

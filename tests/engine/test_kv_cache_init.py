@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from hotstart.config import EngineConfig
 from hotstart.engine.core import EngineCore
-from hotstart.messages import EngineRequest, SamplingParams
+from hotstart.messages import EngineRequest
 from hotstart.model.files import weight_files
+from hotstart.sampling_params import SamplingParams
 
 
 def _run(model_dir, poison: bool) -> dict[tuple[str, int], list[int]]:

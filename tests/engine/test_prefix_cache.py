@@ -6,7 +6,7 @@ from __future__ import annotations
 from hotstart.engine.block_manager import BlockManager, block_hash
 from hotstart.engine.scheduler import Scheduler
 from hotstart.engine.sequence import Sequence
-from hotstart.messages import SamplingParams
+from hotstart.sampling_params import SamplingParams
 
 
 def seq(rid: str, ids: list[int], n: int = 1) -> Sequence:

@@ -8,7 +8,7 @@ import torch
 
 from hotstart.engine.sampler import _top_p_kept, sample
 from hotstart.engine.sequence import Sequence
-from hotstart.messages import SamplingParams
+from hotstart.sampling_params import SamplingParams
 
 
 def seqs(n: int, seed: int = 0, **params) -> list[Sequence]:

@@ -12,8 +12,9 @@ from hotstart.config import EngineConfig
 from hotstart.engine.core import EngineCore
 from hotstart.engine.logits_transforms import min_p_filter
 from hotstart.engine.sequence import Sequence
-from hotstart.messages import EngineRequest, SamplingParams
+from hotstart.messages import EngineRequest
 from hotstart.model.files import weight_files
+from hotstart.sampling_params import SamplingParams
 
 ATOL = 1e-3
 FAMILIES = ["qwen2", "llama"]

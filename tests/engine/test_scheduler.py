@@ -5,7 +5,7 @@ from __future__ import annotations
 from hotstart.engine.block_manager import BlockManager
 from hotstart.engine.scheduler import Scheduler
 from hotstart.engine.sequence import Sequence
-from hotstart.messages import SamplingParams
+from hotstart.sampling_params import SamplingParams
 
 
 def seq(rid: str, n_prompt: int) -> Sequence:

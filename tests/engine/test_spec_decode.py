@@ -23,8 +23,9 @@ from hotstart.engine.core import EngineCore
 from hotstart.engine.spec_config import SpecConfig, speculative_config
 from hotstart.engine.spec_decode import MAX_BACKOFF, NgramSpeculator, SpecState, propose
 from hotstart.families import tiny_checkpoints
-from hotstart.messages import EngineRequest, SamplingParams
+from hotstart.messages import EngineRequest
 from hotstart.model.files import weight_files
+from hotstart.sampling_params import SamplingParams
 
 SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
 
@@ -194,7 +195,7 @@ def test_engine_without_the_option_imports_nothing_of_it(model_dir):
         "import sys\n"
         "from hotstart.config import EngineConfig\n"
         "from hotstart.engine.core import EngineCore\n"
-        "from hotstart.messages import EngineRequest, SamplingParams\n"
+        "from hotstart.messages import EngineRequest\nfrom hotstart.sampling_params import SamplingParams\n"
         f"cfg = EngineConfig({str(model_dir)!r}, device='cpu', max_model_len=256, kv_cache_memory=8 << 20)\n"
         "core = EngineCore.build(cfg)\n"
         "core.add_request(EngineRequest('r', [5, 6, 7, 5, 6, 7], SamplingParams(max_tokens=4)))\n"
@@ -393,7 +394,7 @@ def test_grammar_masks_drafted_positions(tmp_path, default_model_dir):
     """Drafts a grammar forbids are never accepted: every answer validates, identical to the plain
     engine's (greedy, and seeded sampling), and the grammar never consumed a rejected draft. On
     `hotstart make-model --size tiny` (run in this process): the default tokenizer, random weights."""
-    from hotstart.server.structured import compile_grammar
+    from hotstart.frontend.structured import compile_grammar
     from hotstart.text.tokenizer import Tokenizer
 
     model_dir = tmp_path / "qwen2-tiny"
@@ -450,8 +451,8 @@ def test_real_model_copies_with_accepted_drafts(default_model_dir):
 
 
 def test_metrics_export_vllm_spec_decode_counters():
+    from hotstart.frontend.metrics import Metrics
     from hotstart.messages import EngineStats
-    from hotstart.server.metrics import Metrics
 
     m = Metrics("m")
     m.update_engine(EngineStats(), True)

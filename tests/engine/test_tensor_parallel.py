@@ -23,11 +23,12 @@ from hotstart.config import EngineConfig, load_model_config
 from hotstart.engine import distributed
 from hotstart.engine.core import EngineCore
 from hotstart.engine.model_runner import StepInputs
-from hotstart.messages import EngineRequest, SamplingParams
+from hotstart.messages import EngineRequest
 from hotstart.model.cursor import LoadCursor
 from hotstart.model.files import weight_files
 from hotstart.model.loader import load_model
 from hotstart.model.parallel import TensorParallel
+from hotstart.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
 FAMILIES = ["qwen2-tp", "qwen3-tp", "llama-tp", "gemma2-tp", "gemma3-tp"]  # gemma: windows, soft-caps

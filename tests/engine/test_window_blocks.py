@@ -12,8 +12,9 @@ from hotstart.config import EngineConfig
 from hotstart.engine.block_manager import BlockManager, freeable_window
 from hotstart.engine.core import EngineCore
 from hotstart.engine.sequence import Sequence
-from hotstart.messages import EngineRequest, SamplingParams
+from hotstart.messages import EngineRequest
 from hotstart.model.files import weight_files
+from hotstart.sampling_params import SamplingParams
 
 BS = 4
 PROMPT = torch.randint(0, 512, (23,), generator=torch.Generator().manual_seed(3)).tolist()

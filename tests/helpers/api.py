@@ -8,10 +8,11 @@ import time
 
 from hotstart.boot.timeline import Timeline
 from hotstart.config import EngineConfig
+from hotstart.frontend.client import EngineDeadError
+from hotstart.frontend.inprocess import InProcessEngineClient
 from hotstart.messages import TokenOutput
-from hotstart.server.api import ApiSettings, build_app
-from hotstart.server.client import EngineDeadError
-from hotstart.server.inprocess import InProcessEngineClient
+from hotstart.server.api import ApiSettings
+from hotstart.server.routes import build_app
 
 MODEL = "smol"
 TEXT = "The capital of France is Paris. STOP here, then more text follows."

@@ -1,5 +1,5 @@
-"""vLLM-shaped SamplingParams (hotstart/llm/params.py): the server's checks as ValueErrors, the wire params,
-and `import hotstart` staying light."""
+"""The one SamplingParams (hotstart/sampling_params.py, vLLM's names): the server's checks as ValueErrors,
+resolved against the engine's facts (frontend/sampling.py), and `import hotstart` staying light."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from hotstart.llm.params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
+from hotstart.frontend.sampling import EngineLimits, resolve
+from hotstart.sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 
 
 @pytest.mark.parametrize("kw,words", [
@@ -23,27 +24,50 @@ def test_bad_values_raise_value_error(kw, words):
         SamplingParams(**kw)
 
 
-def test_wire_params():
+def test_resolved_params():
     sp = SamplingParams(n=2, temperature=0.5, top_k=-1, seed=3, stop_token_ids=[7], logit_bias={4: 1.5},
                         logprobs=2, max_tokens=None,
                         structured_outputs=StructuredOutputsParams(json={"type": "object"}))
-    w = sp.to_wire(10, 100, 1000)
+    w = resolve(sp, 10, EngineLimits(100, 256, 1000))
     got = (w.n, w.temperature, w.top_k, w.seed, w.stop_token_ids, w.logit_bias, w.logprobs, w.max_tokens)
     assert got == (2, 0.5, 0, 3, [7], {4: 1.5}, 2, 90)
     assert w.grammar and json.loads(w.grammar)
     choice = SamplingParams(guided_decoding=GuidedDecodingParams(choice=["yes", "no"]))
-    assert choice.to_wire(3, 100, None).grammar
+    assert resolve(choice, 3, EngineLimits(100)).grammar
     with pytest.raises(ValueError, match="maximum context length is 100"):
-        SamplingParams(max_tokens=95).to_wire(10, 100, None)
+        resolve(SamplingParams(max_tokens=95), 10, EngineLimits(100))
     with pytest.raises(ValueError, match="out of range"):
-        SamplingParams(stop_token_ids=[5000]).to_wire(10, 100, 1000)
-    assert SamplingParams(stop="x").stop_strings() == ["x"]
+        resolve(SamplingParams(stop_token_ids=[5000]), 10, EngineLimits(100, 256, 1000))
+    with pytest.raises(ValueError, match="`n` must be in"):
+        resolve(SamplingParams(n=8), 10, EngineLimits(100, 4, 1000))  # more choices than the engine batches
+    assert SamplingParams(stop="x").stop_strings == ["x"]
+
+
+def test_wrong_types_are_named():
+    for kw, name in (({"temperature": "hot"}, "temperature"), ({"n": 1.5}, "n"), ({"stop": [1]}, "stop"),
+                     ({"logit_bias": {"a": 1}}, "logit_bias"), ({"ignore_eos": 1}, "ignore_eos")):
+        with pytest.raises(ValueError, match=f"`{name}` must be") as e:
+            SamplingParams(**kw)
+        assert e.value.param == name
+
+
+def test_one_class_from_user_to_engine():
+    """The offline API's class is the engine's: a request travels as the object the user made."""
+    import msgspec
+
+    from hotstart.messages import EngineRequest
+
+    sp = resolve(SamplingParams(temperature=0.5, stop=["\n"], max_tokens=None), 4, EngineLimits(32))
+    wire = msgspec.msgpack.encode(EngineRequest("r", [1, 2, 3, 4], sp))
+    back = msgspec.msgpack.decode(wire, type=EngineRequest)
+    assert back.params == sp and back.params.max_tokens == 28
 
 
 def test_import_hotstart_stays_light():
     from util import no_torch_in
 
-    for module in ("hotstart", "hotstart.llm", "hotstart.server.api"):  # the LLM's API side is torch-free too
+    # the LLM's API side is torch-free too, and so is the start sequence until it builds an engine here
+    for module in ("hotstart", "hotstart.llm", "hotstart.frontend.start", "hotstart.server.api"):
         ok, heavy = no_torch_in(module)
         assert ok, f"{module} imported {heavy}"
     import hotstart

@@ -10,8 +10,9 @@ from hotstart.config import EngineConfig, load_model_config
 from hotstart.engine.core import EngineCore
 from hotstart.engine.model_runner import ModelRunner
 from hotstart.engine.sequence import Sequence
-from hotstart.messages import EngineRequest, SamplingParams
+from hotstart.messages import EngineRequest
 from hotstart.model.files import weight_files
+from hotstart.sampling_params import SamplingParams
 
 LOGIT_ATOL = 1e-3  # float32 on both sides; differences come from op order only
 

@@ -18,12 +18,13 @@ from hotstart import families
 from hotstart.config import EngineConfig, load_model_config
 from hotstart.engine.core import EngineCore
 from hotstart.errors import HotstartError, ModelConfigError
-from hotstart.messages import EngineRequest, SamplingParams
+from hotstart.messages import EngineRequest
 from hotstart.model import parallel
 from hotstart.model.files import weight_files
 from hotstart.model.loader import load_model
 from hotstart.model.moe import SparseMoE
 from hotstart.model_config import parse_model_config
+from hotstart.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = families.tiny_checkpoints()

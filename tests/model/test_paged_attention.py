@@ -107,8 +107,9 @@ def test_ragged_streams_decode_the_same_chunked_or_not(tiny_checkpoint, family):
     keys and with one gather (float32)."""
     from hotstart.config import EngineConfig
     from hotstart.engine.core import EngineCore
-    from hotstart.messages import EngineRequest, SamplingParams
+    from hotstart.messages import EngineRequest
     from hotstart.model.files import weight_files
+    from hotstart.sampling_params import SamplingParams
 
     folder = tiny_checkpoint(family)
     cfg = EngineConfig(model_path=str(folder), weight_files=tuple(map(str, weight_files(folder))),

@@ -14,8 +14,9 @@ from hotstart import families
 from hotstart.config import EngineConfig
 from hotstart.engine.core import EngineCore
 from hotstart.engine.sequence import Sequence
-from hotstart.messages import EngineRequest, SamplingParams
+from hotstart.messages import EngineRequest
 from hotstart.model.files import weight_files
+from hotstart.sampling_params import SamplingParams
 
 LOGIT_ATOL = 1e-3
 TINY = families.tiny_checkpoints()

@@ -30,8 +30,9 @@ from helpers.api import (
     sse_events,
 )
 
-from hotstart.server.api import ApiSettings, build_app
-from hotstart.server.generation import StopStringFilter
+from hotstart.frontend.generation import StopStringFilter
+from hotstart.server.api import ApiSettings
+from hotstart.server.routes import build_app
 from hotstart.text.tokenizer import Tokenizer
 
 

@@ -3,8 +3,8 @@ same tokens one output at a time do: the same text, token count and logprobs."""
 
 import pytest
 
+from hotstart.frontend.generation import Choice
 from hotstart.messages import TokenLogprobs, TokenOutput
-from hotstart.server.generation import Choice
 
 
 @pytest.fixture(scope="module")

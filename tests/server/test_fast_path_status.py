@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import msgspec
 
+from hotstart.frontend.metrics import Metrics
 from hotstart.messages import BucketState, FastPathStatus, from_engine_decoder
 from hotstart.messages import FastPathState as S
-from hotstart.server.metrics import Metrics
 
 
 def _status() -> FastPathStatus:

@@ -1,4 +1,4 @@
-"""The in-process EngineClient (server/inprocess.py) over the real default model: concurrent requests
+"""The in-process EngineClient (frontend/inprocess.py) over the real default model: concurrent requests
 batched by one stepping thread, aborts, the factory, close."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 from helpers.api import engine_core
 
 from hotstart.boot.timeline import Timeline
-from hotstart.messages import SamplingParams
-from hotstart.server.client import EngineDeadError
-from hotstart.server.inprocess import InProcessEngineClient
+from hotstart.frontend.client import EngineDeadError
+from hotstart.frontend.inprocess import InProcessEngineClient
+from hotstart.sampling_params import SamplingParams
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Engine liveness (hotstart/heartbeat.py, server/supervisor.py): an engine that stops without dying
+"""Engine liveness (hotstart/heartbeat.py, frontend/supervisor.py): an engine that stops without dying
 (SIGSTOP) fails its streams, is SIGKILLed and replaced; a long step beats on and trips nothing, unless
 it passes --engine-step-timeout; a forkserver that stops answering is replaced. Real servers on the
 default model; the frozen processes are stopped with SIGSTOP, the real thing."""

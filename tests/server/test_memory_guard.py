@@ -1,4 +1,4 @@
-"""Memory pressure (server/memory.py) on this machine's real /proc/meminfo: the flag's amounts, the guard's
+"""Memory pressure (frontend/memory.py) on this machine's real /proc/meminfo: the flag's amounts, the guard's
 admission and 503, the SIGKILL explanation. The e2e test is tests/server/test_pressure_e2e.py."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import time
 import pytest
 
 from hotstart.flags import memory_amount
-from hotstart.server import memory
-from hotstart.server.memory import MemoryGuard, Sampler, exit_cause, mem_total, min_free_bytes
+from hotstart.frontend import memory
+from hotstart.frontend.memory import MemoryGuard, Sampler, exit_cause, mem_total, min_free_bytes
 from hotstart.system import mem_available
 
 
@@ -37,10 +37,10 @@ def test_the_guard_refuses_with_retry_after_when_the_threshold_is_above_what_is_
     total = mem_total()
     guard = MemoryGuard(total + 1, Sampler(), wait_s=0.3)  # never met: MemAvailable <= MemTotal
     t = time.monotonic()
-    resp = asyncio.run(guard.admit())
+    err = asyncio.run(guard.admit())
     assert time.monotonic() - t >= 0.3  # it waited for memory first
-    assert resp.status_code == 503 and resp.headers["Retry-After"] == str(memory.RETRY_AFTER_S)
-    assert b'"code":"insufficient_memory"' in resp.body and b"--min-free-memory" in resp.body
+    assert err.status == 503 and err.retry_after == memory.RETRY_AFTER_S
+    assert err.code == "insufficient_memory" and "--min-free-memory" in err.message
     assert guard.refused == 1
     assert asyncio.run(MemoryGuard(1 << 20, Sampler()).admit()) is None  # 1 MiB free: admitted at once
 

@@ -11,7 +11,7 @@ import pytest
 from helpers.api import MODEL, assert_error, engine_core, make_client
 
 from hotstart.boot.timeline import Timeline
-from hotstart.server.inprocess import InProcessEngineClient
+from hotstart.frontend.inprocess import InProcessEngineClient
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                           "n": {"type": "integer", "maximum": 1000}},

@@ -1,4 +1,4 @@
-"""The model router's policy without processes: fake engines (server/router.py, server/model_specs.py)."""
+"""The model router's policy without processes: fake engines (frontend/router.py, frontend/model_specs.py)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,12 @@ import time
 
 import pytest
 
-from hotstart.errors import HotstartError
-from hotstart.server import router as router_mod
-from hotstart.server.errors import ApiError
-from hotstart.server.metrics import Metrics
-from hotstart.server.model_specs import model_dir_specs, parse_duration, split_spec
+from hotstart.errors import HotstartError, RequestError
+from hotstart.frontend import router as router_mod
+from hotstart.frontend.metrics import Metrics
+from hotstart.frontend.model_specs import model_dir_specs, parse_duration, split_spec
+from hotstart.frontend.router import ModelRecord, ModelRouter, RetryLater, State, transition
 from hotstart.server.multi_api import merged
-from hotstart.server.router import ModelRecord, ModelRouter, RetryLater, State, transition
 
 
 class FakeClient:
@@ -146,7 +145,7 @@ def test_failed_load_backs_off_and_others_serve(monkeypatch):
         with pytest.raises(RetryLater):
             await r.acquire("bad")
         assert log.count(("start", "bad")) == 2 and r.records["bad"].failures == 2
-        with pytest.raises(ApiError) as e:
+        with pytest.raises(RequestError) as e:
             await r.acquire("../a")
         assert e.value.status == 404
         await r.close_all()

@@ -172,7 +172,8 @@ def test_model_names_never_reach_the_filesystem(default_model_dir):
 
     from hotstart.boot.timeline import Timeline
     from hotstart.messages import EngineStats
-    from hotstart.server.api import ApiSettings, build_app
+    from hotstart.server.api import ApiSettings
+    from hotstart.server.routes import build_app
     from hotstart.text.tokenizer import Tokenizer
 
     class IdleEngine:  # check_model answers before anything reaches the engine

@@ -14,16 +14,16 @@ import msgspec
 import pytest
 
 from hotstart.boot.timeline import Timeline
+from hotstart.errors import RequestError
+from hotstart.frontend.client import EngineDeadError
+from hotstart.frontend.generation import GenerationError
+from hotstart.frontend.protocol import CompletionRequest
 from hotstart.messages import EngineReady, EngineStats
 from hotstart.server.api import ApiSettings, OpenAIServing
-from hotstart.server.client import EngineDeadError
-from hotstart.server.errors import ApiError
-from hotstart.server.generation import GenerationError
-from hotstart.server.schemas import CompletionRequest
 
 
 class EngineHandle:
-    """The attributes OpenAIServing reads from an EngineClient (server/client.py); no generation."""
+    """The attributes OpenAIServing reads from an EngineClient (frontend/client.py); no generation."""
 
     def __init__(self, ready: bool = False, status: str = "loading weights") -> None:
         self.ready, self.status, self.info = ready, status, None
@@ -59,7 +59,7 @@ def test_needs_a_served_model_name():
 def test_check_model_reports_the_first_name():
     s = serving()
     assert s.check_model("main") == s.check_model("alias") == "main"
-    with pytest.raises(ApiError) as e:
+    with pytest.raises(RequestError) as e:
         s.check_model("other")
     assert (e.value.status, e.value.param, e.value.code) == (404, "model", "model_not_found")
     assert "main, alias" in e.value.message
@@ -81,7 +81,7 @@ def test_health_and_readiness_follow_the_engine_status():
     engine = EngineHandle(status="loading weights")
     s = serving(engine)
     assert answer(s.health()) == (503, {"status": "loading weights"})
-    with pytest.raises(ApiError) as e:
+    with pytest.raises(RequestError) as e:
         s.require_ready()
     assert (
         e.value.status == 503 and e.value.code == "engine_not_ready" and "loading weights" in e.value.message
@@ -113,23 +113,23 @@ def test_engine_errors_map_to_openai_errors():
 def test_prepare_completion_with_token_ids():
     engine = EngineHandle()
     s = serving(engine, vocab_size=100, sampling_defaults={"temperature": 0.5})
-    with pytest.raises(ApiError) as e:
+    with pytest.raises(RequestError) as e:
         s.prepare_completion(completion(prompt=[1, 2, 3]))
     assert e.value.status == 503  # checked, then refused until the engine is ready
     engine.set_ready(max_model_len=64)
     model, ids, params, echo = s.prepare_completion(completion(prompt=[1, 2, 3]))
     assert (model, ids, echo) == ("main", [1, 2, 3], "")
     assert params.max_tokens == 61 and params.temperature == 0.5
-    with pytest.raises(ApiError) as e:
+    with pytest.raises(RequestError) as e:
         s.prepare_completion(completion(prompt=[1, 100]))
     assert (e.value.status, e.value.param) == (400, "prompt")
-    with pytest.raises(ApiError) as e:
+    with pytest.raises(RequestError) as e:
         s.prepare_completion(completion(prompt=[1, 2], max_tokens=63))
     assert e.value.code == "context_length_exceeded" and e.value.param == "max_tokens"
 
 
 def test_generation_config_fields_become_defaults_requests_override(tmp_path):
-    from hotstart.server.validation import read_generation_config, sampling_defaults
+    from hotstart.frontend.sampling import read_generation_config, sampling_defaults
 
     (tmp_path / "generation_config.json").write_text(
         json.dumps(
@@ -182,9 +182,9 @@ def test_sampling_params_carry_every_feature():
     assert p.logit_bias == {7: -100.0, 9: 2.5} and p.min_tokens == 4 and p.needs_sampler_state
     _, _, p, _ = s.prepare_completion(completion(prompt=[1, 2, 3], n=2))
     assert p.n == 2 and not p.needs_sampler_state and p.prompt_logprobs is None  # n alone: the plain path
-    with pytest.raises(ApiError) as e:
+    with pytest.raises(RequestError) as e:
         s.prepare_completion(completion(prompt=[1, 2, 3], n=5))  # more than the engine's max_num_seqs (4)
     assert e.value.param == "n"
-    with pytest.raises(ApiError) as e:
+    with pytest.raises(RequestError) as e:
         s.prepare_completion(completion(prompt=[1, 2], logit_bias={"100": 1}))
     assert e.value.param == "logit_bias"

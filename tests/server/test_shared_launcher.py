@@ -1,11 +1,11 @@
 """Several engines over one forkserver connection: generations unique across models, events routed to
-the model whose engine they name (server/shared_launcher.py; a fake launcher, no process)."""
+the model whose engine they name (frontend/shared_launcher.py; a fake launcher, no process)."""
 
 from __future__ import annotations
 
 from hotstart.config import EngineConfig
+from hotstart.frontend.shared_launcher import SharedLauncher
 from hotstart.messages import EngineExited, EngineSpawned, ForkserverExited, Span, SpawnEngine, StopEngine
-from hotstart.server.shared_launcher import SharedLauncher
 
 
 class FakeLauncher:

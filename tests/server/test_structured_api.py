@@ -208,7 +208,7 @@ def test_tool_calls_streamed_as_whole_call_deltas(client, engine, tok):
 
 
 def test_auto_tool_choice_off_and_llama3_parser(engine, tok):
-    from hotstart.server.tools import LLAMA3
+    from hotstart.frontend.tools import LLAMA3
 
     engine.script = tok.encode(CALL_TEXT, add_special_tokens=False) + [tok.eos_token_id]
     off = make_client(engine, tok, auto_tool_choice=False)
@@ -224,7 +224,7 @@ def test_auto_tool_choice_off_and_llama3_parser(engine, tok):
 
 
 def test_closed_objects():
-    from hotstart.server.structured import closed_objects
+    from hotstart.frontend.structured import closed_objects
 
     schema = {
         "type": "object",

@@ -1,4 +1,4 @@
-"""The order in which an engine's last words arrive (server/supervisor.py): an engine that cannot start
+"""The order in which an engine's last words arrive (frontend/supervisor.py): an engine that cannot start
 sends its reason (EngineFailed) on the output socket and then exits; the exit is told on the launcher's
 socket, and the API may read it first. The real processes race (the many-models test saw both orders), so
 here the supervisor is handed the two events in the unlucky order by a launcher that only queues them."""
@@ -10,8 +10,8 @@ import time
 
 from hotstart.boot.timeline import Timeline
 from hotstart.config import EngineConfig
+from hotstart.frontend import supervisor as sup
 from hotstart.messages import EngineExited
-from hotstart.server import supervisor as sup
 
 
 class QueuedLauncher:

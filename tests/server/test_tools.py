@@ -12,8 +12,8 @@ import shutil
 import pytest
 from helpers.models import DATA
 
-from hotstart.server.errors import ApiError
-from hotstart.server.tools import (
+from hotstart.errors import RequestError
+from hotstart.frontend.tools import (
     HERMES,
     LLAMA3,
     ToolStream,
@@ -137,7 +137,7 @@ def test_forced_names():
     ]
     for tools, choice in (([WEATHER], {"type": "function", "function": {"name": "nope"}}), (None, "required"),
                           ([WEATHER], "sometimes"), ([WEATHER], {"type": "function"})):
-        with pytest.raises(ApiError) as e:
+        with pytest.raises(RequestError) as e:
             forced_names(tools, choice)
         assert e.value.status == 400 and e.value.param == "tool_choice"
 
@@ -157,7 +157,7 @@ def accepts(tok, grammar: str, text: str) -> bool:
 
 
 def test_tool_grammars_accept_valid_calls_only(llg_tok):
-    from hotstart.server.structured import compile_grammar
+    from hotstart.frontend.structured import compile_grammar
 
     hermes = compile_grammar(
         "lark", tool_grammar([WEATHER, TIME], ["get_weather", "get_time"], HERMES, True), "tools"
@@ -189,7 +189,7 @@ def test_tool_grammars_accept_valid_calls_only(llg_tok):
 
 
 def test_tool_grammar_keeps_defs_references(llg_tok):
-    from hotstart.server.structured import compile_grammar
+    from hotstart.frontend.structured import compile_grammar
 
     tool = {
         "type": "function",

@@ -18,6 +18,7 @@ import os
 import signal
 import time
 
+from hotstart.errors import RequestError
 from hotstart.system import mem_available
 
 SAMPLE_S = 0.5  # MemAvailable is read at most this often (a read of /proc/meminfo costs ~20 us)
@@ -92,7 +93,8 @@ class MemoryGuard:
         free = self.sampler.available()
         return free if free is not None and free < self.min_free else None
 
-    async def admit(self):
+    async def admit(self) -> RequestError | None:
+        """None (go on), or the 503 to answer once memory stayed short for wait_s."""
         free = self.short()
         if free is None:
             return None
@@ -103,18 +105,9 @@ class MemoryGuard:
             if free is None:
                 return None
         self.refused += 1
-        from hotstart.server.errors import ApiError  # noqa: PLC0415 - loaded already with the gate
-        from hotstart.server.gate import error_response  # noqa: PLC0415
-
-        err = ApiError(
-            503,
-            f"the server is low on memory ({_mib(free)} available, --min-free-memory "
-            f"{_mib(self.min_free)}): retry the request shortly",
-            code="insufficient_memory",
-        )
-        resp = error_response(err)
-        resp.headers["Retry-After"] = str(RETRY_AFTER_S)
-        return resp
+        return RequestError(503, f"the server is low on memory ({_mib(free)} available, --min-free-memory "
+                            f"{_mib(self.min_free)}): retry the request shortly", code="insufficient_memory",
+                            retry_after=RETRY_AFTER_S)
 
 
 def memory_guard(flag: str) -> MemoryGuard | None:

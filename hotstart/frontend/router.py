@@ -6,7 +6,7 @@ unloaded (idle past its keep-alive, evicted, or unloaded by POST /v1/models/{nam
 loading / loaded -> failed (the engine could not start, or died in a crash loop: the supervisor gave
 up). A failed model is loaded again by the first request after a backoff that doubles per failure;
 requests before that get the failure at once. An engine that dies while loaded is replaced by its
-supervisor (server/supervisor.py) as with one model; its requests wait for the replacement.
+supervisor (frontend/supervisor.py) as with one model; its requests wait for the replacement.
 
 Room: at most --max-loaded-models engines (those being stopped count) and at most the memory budget
 (each model's weight bytes + KV-cache estimate); the least recently used idle model is unloaded first;
@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hotstart.server.errors import ApiError
+from hotstart.errors import RequestError
 
 log = logging.getLogger("hotstart")
 LOAD_TIMEOUT_S = 600.0  # a load (room + engine start) that takes longer fails
@@ -54,12 +54,11 @@ _NEXT = {
 }
 
 
-class RetryLater(ApiError):
+class RetryLater(RequestError):
     """A 503 answered with Retry-After: SECONDS."""
 
     def __init__(self, seconds: float, message: str, code: str, param: str | None = None) -> None:
-        super().__init__(503, message, code=code, param=param)
-        self.retry_after = max(1, int(seconds + 0.999))
+        super().__init__(503, message, code=code, param=param, retry_after=max(1, int(seconds + 0.999)))
 
 
 @dataclass(eq=False)
@@ -129,8 +128,8 @@ class ModelRouter:
         """The record named NAME (a dict lookup: a path in `model` is never a file lookup), or 404."""
         rec = self.records.get(name) if isinstance(name, str) else None
         if rec is None:
-            raise ApiError(404, f"The model `{name}` does not exist. Served: {', '.join(self.records)}",
-                           param="model", code="model_not_found")
+            raise RequestError(404, f"The model `{name}` does not exist. Served: {', '.join(self.records)}",
+                               param="model", code="model_not_found")
         return rec
 
     @staticmethod

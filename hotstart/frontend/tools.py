@@ -21,8 +21,8 @@ import re
 import uuid
 from typing import Any
 
-from hotstart.server.errors import bad_param
-from hotstart.server.structured import TOOL_JSON, WHITESPACE, closed_objects, compile_grammar, constraint
+from hotstart.errors import bad_param
+from hotstart.frontend.structured import TOOL_JSON, WHITESPACE, closed_objects, compile_grammar, constraint
 
 HERMES, LLAMA3 = "hermes", "llama3_json"
 PARSERS = (HERMES, LLAMA3)

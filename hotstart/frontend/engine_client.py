@@ -1,10 +1,10 @@
 """The API process's transport to an engine process: requests out, token outputs back (zmq over ipc);
-the process implementation of server/client.py's EngineClient.
+the process implementation of frontend/client.py's EngineClient.
 
 Each server instance uses its own private socket folder (no fixed ports or names). The engine may
 be forked before the event loop runs; its messages wait in zmq until the client binds. What a death
 means (fail the requests, restart, fall back from a zygote, give up) is the EngineSupervisor's
-(server/supervisor.py): it asks this transport to fail its requests and to bind the sockets of the
+(frontend/supervisor.py): it asks this transport to fail its requests and to bind the sockets of the
 replacement engine.
 """
 
@@ -21,6 +21,8 @@ import zmq.asyncio
 from hotstart.boot.timeline import Timeline
 from hotstart.config import EngineConfig
 from hotstart.forkserver.client import EngineLauncher
+from hotstart.frontend.client import EngineDeadError, RequestOutputs
+from hotstart.frontend.supervisor import EngineSupervisor
 from hotstart.messages import (
     AbortRequest,
     EngineFailed,
@@ -37,8 +39,6 @@ from hotstart.messages import (
     encoder,
     from_engine_decoder,
 )
-from hotstart.server.client import EngineDeadError, RequestOutputs
-from hotstart.server.supervisor import EngineSupervisor
 
 log = logging.getLogger("hotstart")
 __all__ = ["EngineDeadError", "ProcessEngineClient"]
@@ -185,7 +185,7 @@ class ProcessEngineClient:
     # --- requests ---------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[TokenOutput]:
-        """See EngineClient.generate (server/client.py); closing early frees the request's KV blocks."""
+        """See EngineClient.generate (frontend/client.py); closing early frees the request's KV blocks."""
         if not self.ready:
             raise EngineDeadError(self.fatal or f"engine not ready ({self.status})")
         stream = RequestOutputs(params.n)

@@ -15,14 +15,15 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from hotstart.frontend.client import EngineDeadError
 from hotstart.messages import TokenOutput
-from hotstart.server.client import EngineDeadError
 from hotstart.text.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
-    from hotstart.messages import SamplingParams, TokenLogprobs
-    from hotstart.server.client import EngineClient
-    from hotstart.server.metrics import Metrics
+    from hotstart.frontend.client import EngineClient
+    from hotstart.frontend.metrics import Metrics
+    from hotstart.messages import TokenLogprobs
+    from hotstart.sampling_params import SamplingParams
 
 
 

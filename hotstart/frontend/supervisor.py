@@ -19,7 +19,7 @@ or a step longer than --engine-step-timeout, every rank is SIGKILLed and the dea
 above. Every wait on the forkserver is bounded too: one that forks nothing within FORK_TIMEOUT_S of
 being asked (PRELOAD_TIMEOUT_S while it still imports torch) is killed (a zygote: left) and replaced.
 
-The transport (server/engine_client.py) owns the sockets and the request queues; it tells the
+The transport (frontend/engine_client.py) owns the sockets and the request queues; it tells the
 supervisor what the engine says (spans, READY, FAILED) and the supervisor tells it to fail its requests
 or to bind new sockets. One supervisor per engine: a server may hold several.
 """
@@ -36,8 +36,8 @@ from hotstart import heartbeat
 from hotstart.boot.timeline import Timeline
 from hotstart.config import EngineConfig
 from hotstart.forkserver.client import EngineLauncher
+from hotstart.frontend.memory import exit_cause
 from hotstart.messages import RANK_LEFT, EngineExited, EngineSpawned, ForkserverExited, ServerInfo, Span
-from hotstart.server.memory import exit_cause
 
 log = logging.getLogger("hotstart")
 DIRECT_POLL_S = 0.1  # exit check of a directly spawned engine (no forkserver socket to watch)

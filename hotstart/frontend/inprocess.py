@@ -1,4 +1,4 @@
-"""The EngineClient of an EngineCore in this process (server/client.py's protocol): `hotstart generate`,
+"""The EngineClient of an EngineCore in this process (frontend/client.py's protocol): `hotstart generate`,
 offline Python use, and tests that drive the real engine without a process.
 
 One stepping thread owns the core: requests and aborts reach it through an inbox it drains between
@@ -18,8 +18,9 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from hotstart.boot.timeline import Timeline
-from hotstart.messages import EngineReady, EngineRequest, SamplingParams, TokenOutput
-from hotstart.server.client import EngineDeadError, RequestOutputs
+from hotstart.frontend.client import EngineDeadError, RequestOutputs
+from hotstart.messages import EngineReady, EngineRequest, TokenOutput
+from hotstart.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from hotstart.config import EngineConfig

@@ -1,27 +1,25 @@
-"""What the HTTP layer and the offline entry points hold of an engine: the EngineClient protocol, and the
-one factory that picks its implementation (torch-free, zmq-free: each implementation is imported by the
-factory only when it is chosen).
+"""What the HTTP layer and the offline entry points hold of an engine: the EngineClient protocol and the
+types its implementations share (torch-free, zmq-free). The factory that picks an implementation, and
+imports it only when it is chosen, is frontend/start.py's make_engine_client:
 
-  in-process  server/inprocess.py InProcessEngineClient: an EngineCore built in this process and stepped
+  in-process  frontend/inprocess.py InProcessEngineClient: an EngineCore built in this process and stepped
               by one thread (continuous batching of concurrent requests); `hotstart generate`, offline
               Python use, fast tests
-  process     server/engine_client.py ProcessEngineClient: zmq to an engine process started by the
-              launcher (forkserver, zygote or a fresh interpreter), supervised by server/supervisor.py
+  process     frontend/engine_client.py ProcessEngineClient: zmq to an engine process started by the
+              launcher (forkserver, zygote or a fresh interpreter), supervised by frontend/supervisor.py
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Protocol
 
 from hotstart.boot.timeline import Timeline
 
 if TYPE_CHECKING:
-    from hotstart.config import EngineConfig
-    from hotstart.forkserver.client import EngineLauncher
-    from hotstart.messages import EngineReady, EngineStats, FastPathStatus, SamplingParams, TokenOutput
+    from hotstart.messages import EngineReady, EngineStats, FastPathStatus, TokenOutput
+    from hotstart.sampling_params import SamplingParams
 
 
 class RequestOutputs:
@@ -86,18 +84,3 @@ class EngineClient(Protocol):
 
     async def close(self, timeout: float = 3.0) -> None:
         """Stop the engine; requests in flight end with an "abort" output."""
-
-
-def make_engine_client(cfg: EngineConfig, timeline: Timeline | None = None, *,
-                       launcher: EngineLauncher | None = None, auto_restart: bool = True) -> EngineClient:
-    """The engine of CFG: over zmq in the process LAUNCHER starts (supervised: restarts unless
-    AUTO_RESTART is off), or, without a launcher, an EngineCore built here and now (this imports torch
-    and loads the weights on the caller's thread)."""
-    timeline = timeline or Timeline(time.time())
-    if launcher is not None:
-        from hotstart.server.engine_client import ProcessEngineClient  # noqa: PLC0415 - imports zmq
-
-        return ProcessEngineClient(launcher, cfg, timeline, auto_restart=auto_restart)
-    from hotstart.server.inprocess import InProcessEngineClient  # noqa: PLC0415 - imports torch
-
-    return InProcessEngineClient.build(cfg, timeline)

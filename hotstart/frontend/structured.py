@@ -6,7 +6,7 @@ Sources, at most one per request (else 400):
   structured_outputs {"json": schema, "regex": str, "choice": [str], "grammar": lark, "json_object": true}
                     (vLLM)
   guided_json, guided_regex, guided_choice, guided_grammar (vLLM's older fields)
-Tools with tool_choice "required" / a named function are constrained too (hotstart/server/tools.py).
+Tools with tool_choice "required" / a named function are constrained too (hotstart/frontend/tools.py).
 
 The grammar is built and validated here, so that a bad schema is a 400 naming the parameter with
 llguidance's own message; the engine compiles it against the tokenizer (engine/grammar.py). llguidance
@@ -25,7 +25,9 @@ import functools
 import json
 from typing import Any
 
-from hotstart.server.errors import ApiError, bad_param, unsupported
+import msgspec
+
+from hotstart.errors import RequestError, bad_param, unsupported
 
 WHITESPACE = r"[\x20\x0A\x0D\x09]{0,24}"  # JSON whitespace, at most 24 characters in a row
 TOOL_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}  # tojson's style
@@ -66,8 +68,9 @@ def compile_grammar(kind: str, spec: Any, param: str, lenient: bool = True) -> s
     grammar, error = _build(kind, text, lenient)
     if error is not None:
         what = {"json": "JSON schema", "regex": "regular expression", "lark": "grammar"}[kind]
-        raise ApiError(400, f"invalid {what} in `{param}`: {error.strip()[:MAX_ERROR_CHARS]}", param=param,
-                       code="invalid_value")
+        raise RequestError(400, f"invalid {what} in `{param}`: {error.strip()[:MAX_ERROR_CHARS]}",
+                           param=param,
+                           code="invalid_value")
     return grammar
 
 
@@ -142,14 +145,18 @@ def _response_format(rf: dict[str, Any]) -> tuple[str, Any, str, bool] | None:
 def constraint(req: Any) -> tuple[str, Any, str, bool] | None:
     """(kind, spec, param, lenient) of REQ's constraint, or None; 400 if it sets more than one."""
     found: list[tuple[str, Any, str, bool]] = []
-    if isinstance(req.response_format, dict):
-        if (c := _response_format(req.response_format)) is not None:
+    response_format = getattr(req, "response_format", None)  # REQ: an HTTP request or a SamplingParams
+    if isinstance(response_format, dict):
+        if (c := _response_format(response_format)) is not None:
             found.append(c)
-    elif req.response_format is not None:
+    elif response_format is not None:
         raise bad_param("response_format", "`response_format` must be an object")
     so = req.structured_outputs or {}
+    if isinstance(so, msgspec.Struct):  # the offline API's StructuredOutputsParams
+        so = msgspec.structs.asdict(so)
     fields = [(f"structured_outputs.{k}", so.get(k)) for k in ("json", "regex", "choice", "grammar")]
-    fields += [(f"guided_{k}", getattr(req, f"guided_{k}")) for k in ("json", "regex", "choice", "grammar")]
+    fields += [(f"guided_{k}", getattr(req, f"guided_{k}", None))
+               for k in ("json", "regex", "choice", "grammar")]
     for param, value in fields:
         if value is None:
             continue
