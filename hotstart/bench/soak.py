@@ -36,9 +36,11 @@ from pathlib import Path
 
 from hotstart.bench import servers as sv
 from hotstart.bench import soak_report as sr
-from hotstart.bench.load import PROMPTS, aborted_request, alive, served, stream_problem
+from hotstart.bench.load import PROMPTS, aborted_request, served, stream_problem
+from hotstart.bench.procgroup import processes
 from hotstart.bench.streams import stream_request
 from hotstart.errors import HotstartError
+from hotstart.procs import alive
 
 KINDS = ("chat", "chat_stream", "text", "text_stream", "n", "json_schema", "tools", "hangup", "bad")
 COLORS = ["red", "green", "blue"]
@@ -364,14 +366,13 @@ def server_processes(pid: int | None, extra: list[int]) -> dict[int, tuple[objec
     out: dict[int, tuple[object, str]] = {}
     for root_pid, root_role in ([(pid, "api")] if pid else []) + [(p, "zygote") for p in extra]:
         try:
-            root = psutil.Process(root_pid)
-            procs = [root, *root.children(recursive=True)]
+            procs = processes(root_pid)
         except psutil.NoSuchProcess:
             continue
         roles = {root_pid: root_role}
-        for p in procs[1:]:
+        for p in procs[1:]:  # each after its parent: its role is known
             try:
-                if p.status() == psutil.STATUS_ZOMBIE:  # a killed engine not reaped yet: gone
+                if not alive(p.pid):  # a killed engine not reaped yet: gone
                     continue
                 cmd, parent = " ".join(p.cmdline()), p.ppid()
             except psutil.Error:
@@ -559,7 +560,7 @@ class Soak:
             if kind == "freeze":
                 self.stopped.add(target)
                 t_end = time.monotonic() + self.args.freeze_for
-                while time.monotonic() < t_end and _exists(target):
+                while time.monotonic() < t_end and alive(target):
                     await asyncio.sleep(0.1)
                 fault["note"] = (
                     f"resumed (SIGCONT) after {self.args.freeze_for:g} s"
@@ -570,7 +571,7 @@ class Soak:
     def resume(self, pid: int) -> bool:
         """SIGCONT PID if it is still there (True then); forget it either way."""
         self.stopped.discard(pid)
-        if not _exists(pid):
+        if not alive(pid):
             return False
         try:
             os.kill(pid, signal.SIGCONT)
@@ -653,16 +654,6 @@ class Soak:
             "records": self.records,
             "samples": self.samples,
         }
-
-
-def _exists(pid: int) -> bool:
-    """PID is there and not a zombie (a killed engine not reaped yet is gone)."""
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def _check(args) -> None:

@@ -14,11 +14,11 @@ import sys
 from collections import Counter
 
 import httpx
-import psutil
 from helpers.models import make_tiny
 from util import REPO, Server, run_session
 
 from hotstart.bench.soak import BAD_VARIANTS, KINDS
+from hotstart.procs import descendants
 
 
 def server_counts(metrics: str) -> Counter:
@@ -37,7 +37,7 @@ def test_short_soak_sends_every_kind_and_survives_a_kill(tmp_path):
     # one torch thread per engine: two engines and the soak client share the cores
     s = Server(f"a={model}", f"b={model}", *engine, env={"OMP_NUM_THREADS": "1"})
     try:
-        engines_before = {p.pid for p in psutil.Process(s.proc.pid).children(recursive=True)}
+        engines_before = set(descendants(s.proc.pid))
         out = tmp_path / "soak.json"
         # a few seconds: RSS still grows then (KV pages touched for the first time), so the growth limit
         # is loose; the long soak checks the 15 % (docs/reliability.md)
