@@ -25,7 +25,6 @@ import contextlib
 import json
 import os
 import random
-import re
 import signal
 import sys
 import time
@@ -35,6 +34,7 @@ from pathlib import Path
 from hotstart.bench import servers as sv
 from hotstart.bench.process import Server
 from hotstart.bench.procgroup import processes
+from hotstart.bench.prometheus import metric_value
 from hotstart.bench.streams import CpuNoise, pct, stream_request
 from hotstart.errors import HotstartError
 from hotstart.procs import alive
@@ -73,11 +73,7 @@ def fd_snapshot(pid: int) -> dict:
 
 async def read_gauges(client, url: str) -> dict:
     text = (await client.get(url + "/metrics", timeout=10)).text
-    found = {}
-    for name in GAUGES:
-        m = re.search(rf"^{name}\s+(\S+)$", text, re.MULTILINE)
-        found[name] = float(m.group(1)) if m else None
-    return found
+    return {name: metric_value(text, name) for name in GAUGES}
 
 
 def make_body(rng: random.Random, model: str, min_tokens: int, max_tokens: int) -> tuple[str, dict, bool]:

@@ -38,6 +38,7 @@ from hotstart.bench import servers as sv
 from hotstart.bench import soak_report as sr
 from hotstart.bench.load import PROMPTS, aborted_request, served, stream_problem
 from hotstart.bench.procgroup import processes
+from hotstart.bench.prometheus import metric_values
 from hotstart.bench.streams import stream_request
 from hotstart.errors import HotstartError
 from hotstart.procs import alive
@@ -403,15 +404,6 @@ def snapshot(pid: int | None, extra: list[int]) -> dict[int, dict]:
                 }
         except psutil.Error:
             pass
-    return out
-
-
-def metric_values(text: str, name: str) -> dict[str, float]:
-    """Samples of metric NAME in Prometheus text, keyed by its `model` label ("" without one)."""
-    out = {}
-    for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})?\s+(\S+)$", text, re.MULTILINE):
-        label = re.search(r'model="((?:[^"\\]|\\.)*)"', m.group(1) or "")
-        out[label.group(1) if label else ""] = float(m.group(2))
     return out
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 from collections import Counter
 
@@ -17,6 +16,7 @@ import httpx
 from helpers.models import make_tiny
 from util import REPO, Server, run_session
 
+from hotstart.bench.prometheus import samples
 from hotstart.bench.soak import BAD_VARIANTS, KINDS
 from hotstart.procs import descendants
 
@@ -24,10 +24,9 @@ from hotstart.procs import descendants
 def server_counts(metrics: str) -> Counter:
     """(endpoint, status) -> requests, from the server's own counter."""
     out: Counter = Counter()
-    for m in re.finditer(
-        r'^hotstart_http_requests_total\{endpoint="([^"]+)",status="(\d+)"\} (\S+)$', metrics, re.MULTILINE
-    ):
-        out[(m.group(1), int(m.group(2)))] += int(float(m.group(3)))
+    for name, labels, value in samples(metrics):
+        if name == "hotstart_http_requests_total":
+            out[(labels["endpoint"], int(labels["status"]))] += int(value)
     return out
 
 

@@ -245,12 +245,3 @@ def test_answer_checks():
 )
 def test_classify(kind, status, error, outcome):
     assert soak.classify(kind, status, error) == outcome
-
-
-def test_metric_values_with_and_without_the_model_label():
-    text = (
-        "# HELP hotstart_kv_cache_usage_ratio x\nhotstart_kv_cache_usage_ratio 0.25\n"
-        'hotstart_kv_cache_usage_ratio{model="a"} 0.5\nhotstart_kv_cache_usage_ratio{model="b\\"q"} 1.0\n'
-        "hotstart_kv_cache_usage_ratio_other 3\n"
-    )
-    assert soak.metric_values(text, "hotstart_kv_cache_usage_ratio") == {"": 0.25, "a": 0.5, 'b\\"q': 1.0}
