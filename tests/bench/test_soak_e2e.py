@@ -17,7 +17,7 @@ from helpers.models import make_tiny
 from util import REPO, Server, run_session
 
 from hotstart.bench.prometheus import samples
-from hotstart.bench.soak import BAD_VARIANTS, KINDS
+from hotstart.bench.soak_workload import BAD_VARIANTS, KINDS
 from hotstart.procs import descendants
 
 
