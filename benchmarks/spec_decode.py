@@ -23,6 +23,7 @@ import time
 import httpx
 
 from hotstart.bench.process import Server
+from hotstart.bench.prometheus import samples
 
 TEXT = (
     "The old lighthouse stood at the end of the harbour wall, its white paint flaking in the salt wind. "
@@ -76,12 +77,8 @@ def chat(url: str, model: str, content: str, max_tokens: int) -> dict:
 
 
 def spec_counters(url: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line.startswith("vllm:spec_decode_"):
-            name, value = line.split("{")[0], float(line.rsplit(" ", 1)[1])
-            out[name] = value
-    return out
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {name: v for name, _, v in samples(text) if name.startswith("vllm:spec_decode_")}
 
 
 def measure(argv: list[str], rounds: int, max_tokens: int) -> tuple[dict, dict]:

@@ -28,30 +28,74 @@ def die_with_parent(sig: int) -> None:
         os.kill(os.getpid(), sig)
 
 
-def descendants(pid: int) -> list[int]:
-    """Linux: the live descendants of PID (children first), from /proc; [] elsewhere. For a child that
-    runs children of its own in our process group (g++ runs cc1plus and as): signalling it alone would
-    leave them running."""
-    parents: dict[int, list[int]] = {}
+def _stat(pid: int | str) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state, ppid, pgrp, session, ...); None where
+    it cannot be read (no such process, or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # the name may hold spaces and ")"
+    except (OSError, IndexError):
+        return None
+    return fields or None
+
+
+def alive(pid: int) -> bool:
+    """Whether PID is a process that still runs (or is stopped). The one rule: a zombie (exited, not yet
+    reaped by its parent) is NOT alive: it runs no code and holds no memory. Reaping a child of ours is
+    the parent's job (terminate_then_kill reaps). A process of another user is alive (signal 0: EPERM)."""
+    if pid <= 0:  # signal 0 to 0 or -1 would test a whole group
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    fields = _stat(pid)
+    if fields is None:  # reaped since the signal (Linux); elsewhere the signal is all there is to go on
+        return not os.path.isdir("/proc/self")
+    return fields[0] not in ("Z", "X")
+
+
+def _all_stats() -> dict[int, list[str]]:
+    """pid -> its /proc/PID/stat fields, for every process there is now ({} without /proc)."""
     try:
         entries = os.listdir("/proc")
     except OSError:
-        return []
+        return {}
+    out = {}
     for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        parents.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        kids = parents.get(todo.pop(), [])
-        out += kids
-        todo += kids
+        if entry.isdigit() and (fields := _stat(entry)) is not None:
+            out[int(entry)] = fields
     return out
+
+
+def tree(pid: int) -> dict[int, int]:
+    """Linux: the descendants of PID, each mapped to its parent, from /proc ({} elsewhere). Order: every
+    pid comes after its parent (a parent's children together, then depth first). Zombies are included:
+    alive() tells them apart."""
+    children: dict[int, list[int]] = {}
+    for p, fields in _all_stats().items():
+        children.setdefault(int(fields[1]), []).append(p)
+    out, todo = {}, [pid]
+    while todo:
+        parent = todo.pop()
+        for kid in children.get(parent, []):
+            if kid not in out and kid != pid:  # pids reused while /proc was read: no cycle walked
+                out[kid] = parent
+                todo.append(kid)
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    """tree(PID)'s pids, each after its parent. For a child that runs children of its own in our process
+    group (g++ runs cc1plus and as): signalling it alone would leave them running."""
+    return list(tree(pid))
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Linux: the pids of process group PGID, zombies included, from /proc ([] elsewhere)."""
+    return [p for p, fields in _all_stats().items() if int(fields[2]) == pgid]
 
 
 def _signal(target: subprocess.Popen | int, sig: int, group: bool) -> None:
@@ -72,22 +116,8 @@ def _exited(target: subprocess.Popen | int) -> bool:
     try:
         pid, _ = os.waitpid(target, os.WNOHANG)
         return pid != 0
-    except ChildProcessError:  # not our child (or already reaped): alive while signal 0 reaches it
-        try:
-            os.kill(target, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-        return _zombie(target)  # exited, not yet reaped by its parent (or by init, if orphaned)
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return False
+    except ChildProcessError:  # not our child (or already reaped): its parent (or init) reaps it
+        return not alive(target)
 
 
 def terminate_then_kill(targets: Iterable[subprocess.Popen | int], grace: float, *, group: bool = False,

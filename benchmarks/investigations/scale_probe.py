@@ -36,6 +36,7 @@ from hotstart.boot.prefetch import Prefetcher
 from hotstart.boot.residency import evict, resident_bytes
 from hotstart.boot.storage import MiB, PrefetchPlan
 from hotstart.model.files import sidecar_files, weight_files
+from hotstart.procs import tree as descendants_with_parents
 from hotstart.system import mem_available
 
 FIELDS = ("VmRSS", "RssAnon", "RssFile", "RssShmem")
@@ -66,29 +67,16 @@ def proc_status(pid: int) -> dict:
 def tree(root: int) -> dict[int, str]:
     """pid -> role of ROOT and its descendants: api, forkserver, engine (a forkserver's child), or the
     module a process runs (`-m X`)."""
-    parent, cmd = {}, {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            stat = _read(f"/proc/{d}/stat")
-            if stat:
-                parent[int(d)] = int(stat.rpartition(")")[2].split()[1])
-                cmd[int(d)] = _read(f"/proc/{d}/cmdline").split("\0")
     roles = {root: "api"}
-    todo = [root]
-    while todo:
-        p = todo.pop()
-        for c, pp in parent.items():
-            if pp == p and c not in roles:
-                argv = cmd.get(c, [])
-                mod = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else Path(argv[0]).name if argv else "?"
-                if roles[p] == "forkserver":
-                    role = "engine"
-                elif mod == "hotstart.forkserver":
-                    role = "forkserver"
-                else:
-                    role = mod
-                roles[c] = role
-                todo.append(c)
+    for c, p in descendants_with_parents(root).items():  # each after its parent: its role is known
+        argv = _read(f"/proc/{c}/cmdline").split("\0")
+        mod = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else Path(argv[0]).name if argv else "?"
+        if roles[p] == "forkserver":
+            roles[c] = "engine"
+        elif mod == "hotstart.forkserver":
+            roles[c] = "forkserver"
+        else:
+            roles[c] = mod
     return roles
 
 

@@ -1,9 +1,9 @@
 """Argument definitions for `hotstart bench ...` and `hotstart make-model` (argparse only: stays light).
 
-`bench` takes verbs; each is registered in BENCH_COMMANDS as (module, function) and imported only when
-run, so `hotstart --help` never pays for a benchmark's imports. Parsers: startup and make-model here,
-serve / load / soak / over-time / prefix-cache in args_serving.py, step / roofline in args_engine.py. A new
-verb adds a parser there and an entry in BENCH_COMMANDS.
+`bench` takes the verbs of BENCH_VERBS; a verb's code (runner()) is imported only when it runs, so
+`hotstart --help` never pays for a benchmark's imports. Parsers: startup and make-model here, the serving
+verbs in args_serving.py, step / roofline in args_engine.py, remote in remote_args.py. A new verb goes into
+BENCH_VERBS and gets a parser there and a module hotstart/bench/VERB.py with run_VERB_bench.
 """
 
 from __future__ import annotations
@@ -12,29 +12,28 @@ import argparse
 import importlib
 
 from hotstart import families
-from hotstart.bench.args_engine import MODEL_HELP, add_engine_commands
-from hotstart.bench.args_serving import add_serving_commands
+from hotstart.bench import args_engine, args_serving
+from hotstart.bench.args_engine import MODEL_HELP
 from hotstart.bench.argtypes import NameAction as _Name
 from hotstart.bench.argtypes import TargetAction as _Target
 
-# bench subcommand -> (module, function(args) -> exit code)
-BENCH_COMMANDS: dict[str, tuple[str, str]] = {
-    "startup": ("hotstart.bench.startup", "run_startup_bench"),
-    "remote": ("hotstart.bench.remote", "run_remote_bench"),
-    "serve": ("hotstart.bench.serve", "run_serve_bench"),
-    "load": ("hotstart.bench.load", "run_load_bench"),
-    "soak": ("hotstart.bench.soak", "run_soak_bench"),
-    "over-time": ("hotstart.bench.over_time", "run_over_time_bench"),
-    "prefix-cache": ("hotstart.bench.prefix_cache", "run_prefix_cache_bench"),
-    "step": ("hotstart.bench.step", "run_step_bench"),
-    "roofline": ("hotstart.bench.roofline", "run_roofline_bench"),
-}
+# The verbs of `hotstart bench`, in --help order: the one list. The parser, its help and its errors are
+# built from it; tests/bench/test_bench_cli.py checks README.md, docs/design.md and
+# benchmarks/investigations/README.md against it.
+BENCH_VERBS = ("startup", "remote", "serve", "load", "soak", "over-time", "prefix-cache", "step", "roofline")
 MAKE_MODEL = ("hotstart.bench.make_model", "run_make_model")
 
 
-def _add_startup(bsub) -> None:
+def runner(verb: str) -> tuple[str, str]:
+    """(module, function(args) -> exit code) of VERB: hotstart/bench/VERB.py's run_VERB_bench, a "-" read
+    as "_"."""
+    name = verb.replace("-", "_")
+    return f"hotstart.bench.{name}", f"run_{name}_bench"
+
+
+def _add_startup(bsub, verb: str) -> None:
     p = bsub.add_parser(
-        "startup", help="cold/warm A/B startup benchmark: launch -> /health -> first verified completion",
+        verb, help="cold/warm A/B startup benchmark: launch -> /health -> first verified completion",
         description="Run each config N times, interleaved (run i of every config before run i+1), "
                     "after evicting what --cold says; report medians against the floor "
                     "(cold `import torch` and a cold read of the weights).")
@@ -104,15 +103,17 @@ def _add_make_model(sub) -> None:
 
 def add_bench_commands(sub) -> None:
     """Register `bench` (with its sub-subcommands) and `make-model` on the CLI's subparsers."""
-    b = sub.add_parser("bench", help=f"benchmarks: {', '.join(BENCH_COMMANDS)} (docs/benchmarks.md, "
-                                     "docs/serving.md)")
-    bsub = b.add_subparsers(dest="bench_command", metavar="BENCH")
-    _add_startup(bsub)
     from hotstart.bench.remote_args import add_remote  # noqa: PLC0415 - argparse only
 
-    add_remote(bsub)
-    add_serving_commands(bsub)
-    add_engine_commands(bsub)
+    b = sub.add_parser("bench", help=f"benchmarks: {', '.join(BENCH_VERBS)} (docs/benchmarks.md, "
+                                     "docs/serving.md)")
+    bsub = b.add_subparsers(dest="bench_command", metavar="BENCH")
+    parsers = {"startup": _add_startup, "remote": add_remote, "serve": args_serving.add_serve,
+               "load": args_serving.add_load, "soak": args_serving.add_soak,
+               "over-time": args_serving.add_over_time, "prefix-cache": args_serving.add_prefix_cache,
+               "step": args_engine.add_step, "roofline": args_engine.add_roofline}
+    for verb in BENCH_VERBS:
+        parsers[verb](bsub, verb)
     _add_make_model(sub)
 
 
@@ -122,10 +123,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
         module, func = MAKE_MODEL
     else:
         name = getattr(args, "bench_command", None)
-        if name not in BENCH_COMMANDS:
+        if name not in BENCH_VERBS:
             from hotstart.errors import HotstartError  # noqa: PLC0415
 
-            raise HotstartError(f"bench: give one of: {', '.join(BENCH_COMMANDS)} "
+            raise HotstartError(f"bench: give one of: {', '.join(BENCH_VERBS)} "
                                 "(see `hotstart bench --help`)")
-        module, func = BENCH_COMMANDS[name]
+        module, func = runner(name)
     return getattr(importlib.import_module(module), func)(args)

@@ -1,4 +1,5 @@
-"""Parsers of `hotstart bench step` and `hotstart bench roofline` (argparse only: stays light)."""
+"""Parsers of the engine verbs of `hotstart bench`, step and roofline (argparse only: stays light). Each adds
+the subparser of the verb it is given (args.BENCH_VERBS spells them)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ def _bandwidth(p) -> None:
                         "roofline` result, else a quick measurement now)")
 
 
-def _add_step(bsub) -> None:
+def add_step(bsub, verb: str) -> None:
     p = bsub.add_parser(
-        "step", help="the decode step in one EngineCore: profile, sampler cost, grammar cost",
+        verb, help="the decode step in one EngineCore: profile, sampler cost, grammar cost",
         description="One EngineCore (no HTTP), built once for MODEL, dtype, fast path and batch; then the "
                     "parts: profile (ms per decode step, the torch op table, tokens/s and the roofline "
                     "fraction), sampling (plain vs penalties vs logit_bias + min_p, interleaved rounds), "
@@ -36,9 +37,9 @@ def _add_step(bsub) -> None:
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
 
 
-def _add_roofline(bsub) -> None:
+def add_roofline(bsub, verb: str) -> None:
     p = bsub.add_parser(
-        "roofline", help="memory read bandwidth (STREAM-like), and a throughput as a fraction of it",
+        verb, help="memory read bandwidth (STREAM-like), and a throughput as a fraction of it",
         description="Sum (read) and copy of large float32 arrays with torch, 1 thread and every thread, "
                     "medians of --reps passes; saved in $HOTSTART_HOME/bench/roofline.json for `bench serve` "
                     "and `bench step`. With --tokens-per-s: that throughput as a fraction of the roofline "
@@ -57,9 +58,3 @@ def _add_roofline(bsub) -> None:
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                    help="the served dtype (default: the checkpoint's)")
     p.add_argument("--out", default=None, metavar="FILE", help="also write the results as JSON")
-
-
-def add_engine_commands(bsub) -> None:
-    """Register `bench step` and `bench roofline` on the bench subparsers."""
-    _add_step(bsub)
-    _add_roofline(bsub)

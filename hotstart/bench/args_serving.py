@@ -1,5 +1,5 @@
-"""Parsers of the serving verbs: `hotstart bench serve | load | soak | over-time | prefix-cache` (argparse
-only)."""
+"""Parsers of the serving verbs of `hotstart bench` (serve, load, soak, over-time, prefix-cache; argparse
+only). Each adds the subparser of the verb it is given (args.BENCH_VERBS spells them)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ def _quiet(p, max_load: float) -> None:
                    help="longest wait for a quiet machine (s; 0: no wait)")
 
 
-def _add_serve(bsub) -> None:
+def add_serve(bsub, verb: str) -> None:
     p = bsub.add_parser(
-        "serve", help="throughput, TTFT, TPOT, ITL of OpenAI servers, as `vllm bench serve` measures them",
+        verb, help="throughput, TTFT, TPOT, ITL of OpenAI servers, as `vllm bench serve` measures them",
         description="Random prompts of exactly --input-len tokens, --output-len tokens each (forced: "
                     "ignore_eos or the server's own way), --num-prompts requests at most --concurrency at a "
                     "time, against each target; every length x concurrency for --rounds rounds, interleaved "
@@ -101,9 +101,9 @@ def _add_serve(bsub) -> None:
     p.set_defaults(targets=None)
 
 
-def _add_load(bsub) -> None:
+def add_load(bsub, verb: str) -> None:
     p = bsub.add_parser(
-        "load", help="sustained load, then leak checks (KV blocks, queues, fds, engine process)",
+        verb, help="sustained load, then leak checks (KV blocks, queues, fds, engine process)",
         description="N streaming clients for D seconds (random prompts, lengths, chat or text, temperature 0 "
                     "or 0.7, some hanging up with --abort-frac), then with no client connected /metrics must "
                     "show nothing running, waiting or cached, and the server's fds must not have grown.")
@@ -132,9 +132,9 @@ def _add_load(bsub) -> None:
     p.add_argument("--out", default=None, help="write JSON results here")
 
 
-def _add_soak(bsub) -> None:
+def add_soak(bsub, verb: str) -> None:
     p = bsub.add_parser(
-        "soak", help="a mixed workload for a long time, optional engine faults: errors, latency per window, "
+        verb, help="a mixed workload for a long time, optional engine faults: errors, latency per window, "
                      "RSS and descriptors of every server process",
         description="--clients loops of mixed requests (plain and streamed chat and text completions, n = 2, "
                     "json_schema, forced tool calls, client hang-ups, bad requests that must get a 4xx) over "
@@ -204,9 +204,9 @@ def _add_soak(bsub) -> None:
     p.add_argument("--out", default=None, help="write the JSON report here")
 
 
-def _add_over_time(bsub) -> None:
+def add_over_time(bsub, verb: str) -> None:
     p = bsub.add_parser(
-        "over-time", help="throughput over the first minutes since launch, under a steady load",
+        verb, help="throughput over the first minutes since launch, under a steady load",
         description="Per server, one after the other: launch it and at once start --streams client loops of "
                     "streamed greedy chat requests forced to --max-tokens; tokens/s per --window "
                     "since launch.")
@@ -225,9 +225,9 @@ def _add_over_time(bsub) -> None:
     p.add_argument("--out", default="over_time", help="folder for over_time.json and over_time.png")
 
 
-def _add_prefix_cache(bsub) -> None:
+def add_prefix_cache(bsub, verb: str) -> None:
     p = bsub.add_parser(
-        "prefix-cache", help="TTFT of a chat's second turn with and without automatic prefix caching",
+        verb, help="TTFT of a chat's second turn with and without automatic prefix caching",
         description="Two servers one after the other (prefix caching on, then off); R unique conversations "
                     "each; turn 2's TTFT, the prefix-cache counters, the load average.")
     p.add_argument("--model", default=None, help=MODEL_HELP)
@@ -240,12 +240,3 @@ def _add_prefix_cache(bsub) -> None:
     p.add_argument("--max-wait", type=float, default=600,
                    help="longest wait for a quiet machine (s; 0: no wait)")
     p.add_argument("--out", default=None, help="write the results as JSON")
-
-
-def add_serving_commands(bsub) -> None:
-    """Register the serving verbs on the bench subparsers."""
-    _add_serve(bsub)
-    _add_load(bsub)
-    _add_soak(bsub)
-    _add_over_time(bsub)
-    _add_prefix_cache(bsub)

@@ -25,7 +25,6 @@ import contextlib
 import json
 import os
 import random
-import re
 import signal
 import sys
 import time
@@ -34,8 +33,11 @@ from pathlib import Path
 
 from hotstart.bench import servers as sv
 from hotstart.bench.process import Server
+from hotstart.bench.procgroup import processes
+from hotstart.bench.prometheus import metric_value
 from hotstart.bench.streams import CpuNoise, pct, stream_request
 from hotstart.errors import HotstartError
+from hotstart.procs import alive
 
 PROMPTS = [
     "What is the capital of France?",
@@ -52,19 +54,12 @@ PROMPTS = [
 GAUGES = ("hotstart_num_requests_running", "hotstart_num_requests_waiting", "hotstart_kv_cache_usage_ratio")
 
 
-def tree(pid: int) -> list:
-    import psutil
-
-    p = psutil.Process(pid)
-    return [p, *p.children(recursive=True)]
-
-
 def fd_snapshot(pid: int) -> dict:
     """Open fds and RSS of the server process and all its descendants."""
     import psutil
 
     out = {"fds": 0, "rss_mb": 0.0, "procs": {}}
-    for p in tree(pid):
+    for p in processes(pid):
         try:
             n = p.num_fds()
             out["procs"][p.pid] = {"name": " ".join(p.cmdline()[:4])[:80], "fds": n}
@@ -78,11 +73,7 @@ def fd_snapshot(pid: int) -> dict:
 
 async def read_gauges(client, url: str) -> dict:
     text = (await client.get(url + "/metrics", timeout=10)).text
-    found = {}
-    for name in GAUGES:
-        m = re.search(rf"^{name}\s+(\S+)$", text, re.MULTILINE)
-        found[name] = float(m.group(1)) if m else None
-    return found
+    return {name: metric_value(text, name) for name in GAUGES}
 
 
 def make_body(rng: random.Random, model: str, min_tokens: int, max_tokens: int) -> tuple[str, dict, bool]:
@@ -233,15 +224,6 @@ async def fetch_gauges(url: str) -> dict:
             return await read_gauges(c, url)
     except httpx.HTTPError as e:
         return {"error": f"{type(e).__name__}: {e}"}
-
-
-def alive(pid: int) -> bool:
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def failures(res: dict) -> list[str]:

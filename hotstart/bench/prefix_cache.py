@@ -18,7 +18,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import re
 import statistics
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from urllib.parse import urlsplit
 
 from hotstart.bench import servers as sv
 from hotstart.bench.process import Server
+from hotstart.bench.prometheus import metric_value
 from hotstart.errors import HotstartError
 
 SENTENCES = [
@@ -98,8 +98,8 @@ def metric(server: Server, name: str) -> float:
         text = conn.getresponse().read().decode()
     finally:
         conn.close()
-    m = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
-    return float(m.group(1)) if m else float("nan")
+    value = metric_value(text, name)
+    return float("nan") if value is None else value
 
 
 def run_server(label: str, extra: list[str], args, session0: int) -> dict:

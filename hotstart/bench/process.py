@@ -3,10 +3,10 @@
 The one launcher of the startup benchmark (`hotstart bench startup`), the serving benchmarks
 (`hotstart bench serve|load|over-time|prefix-cache`) and the end-to-end tests (tests/util.py). Output goes
 to log files (nothing read while the server runs) or to a pipe that a thread reads into `lines`,
-where a `--port 0` server's URL is found. Stdlib only (http.client), psutil imported lazily: after a
-cold eviction the harness must not import anything, or it would read the very files it just evicted
-and warm them for the server it is timing. Every wait is bounded by a deadline; stop() ends the whole
-process group and checks with psutil that nothing of it is left.
+where a `--port 0` server's URL is found. Stdlib only (http.client, /proc): after a cold eviction the
+harness must not import anything, or it would read the very files it just evicted and warm them for the
+server it is timing. Every wait is bounded by a deadline; stop() ends the whole process group and checks
+(hotstart/procs.py) that nothing of it is left.
 """
 
 from __future__ import annotations
@@ -23,10 +23,9 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from hotstart.bench.procgroup import alive as _alive
 from hotstart.bench.procgroup import group_members as _group_members
 from hotstart.bench.procgroup import kill as _kill
-from hotstart.procs import die_with_parent, terminate_then_kill
+from hotstart.procs import alive, descendants, die_with_parent, terminate_then_kill
 
 POLL_S = 0.02  # /health poll period: the resolution of t_health, cheap on loopback
 STOP_GRACE_S = 10.0  # SIGTERM -> SIGKILL
@@ -125,12 +124,7 @@ class Server:
         return time.perf_counter() - self.t_launch
 
     def descendants(self) -> list[int]:
-        import psutil  # noqa: PLC0415
-
-        try:
-            return [p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return []
+        return descendants(self.proc.pid)
 
     def _check_running(self) -> None:
         code = self.proc.poll()
@@ -240,7 +234,7 @@ class Server:
         members = _group_members(pgid, self.proc.pid) - {self.proc.pid}
 
         def others_alive() -> bool:
-            return bool(_alive(members))
+            return any(alive(p) for p in members)
 
         if sig != signal.SIGTERM:
             try:
@@ -258,7 +252,7 @@ class Server:
         killed = not gone and terminate_then_kill([self.proc], max(0.0, grace), group=group,
                                                   others_alive=others_alive)
         stop_s = time.perf_counter() - t
-        stragglers = sorted(_alive(members | _group_members(pgid, self.proc.pid)))
+        stragglers = sorted(p for p in members | _group_members(pgid, self.proc.pid) if alive(p))
         if stragglers:  # what terminate_then_kill did not reach: members outside the group, or
             _kill(set(stragglers), pgid)  # the rest of the group when only the leader was signalled
             killed = True
@@ -269,7 +263,7 @@ class Server:
             pass
         if self._pump is not None:
             self._pump.join(timeout=2)  # the output is complete once every writer is gone
-        leftover = sorted(_alive(members | _group_members(pgid, self.proc.pid)))
+        leftover = sorted(p for p in members | _group_members(pgid, self.proc.pid) if alive(p))
         return {"stop_s": stop_s, "killed": killed, "stragglers": stragglers, "leftover": leftover,
                 "pgid": pgid, "returncode": self.proc.returncode}
 

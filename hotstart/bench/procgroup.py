@@ -1,47 +1,20 @@
-"""Which processes a launched server's process group still holds, and ending them (psutil, imported
-lazily: the startup benchmark imports it before it evicts anything)."""
+"""What of a launched server is left (its process group, and its tree) and ending it; a server tree as
+psutil Processes for the benchmarks' per-process figures. The walking and the liveness rule are
+hotstart/procs.py's (/proc: nothing is imported after a cold eviction); psutil only where figures are
+read."""
 
 from __future__ import annotations
 
 import os
 import signal
 
+from hotstart.procs import alive, descendants, group_pids
+
 
 def group_members(pgid: int, root_pid: int) -> set[int]:
     """Live pids in process group `pgid` plus the descendants of `root_pid` (which may have left the
     group)."""
-    try:
-        import psutil  # noqa: PLC0415 - imported before any eviction by the harness (see startup.py)
-    except ImportError:
-        return set()
-    found: set[int] = set()
-    for p in psutil.process_iter(["status"]):
-        try:
-            if p.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(p.pid) == pgid:
-                found.add(p.pid)
-        except (OSError, psutil.Error):
-            continue
-    try:
-        found.update(c.pid for c in psutil.Process(root_pid).children(recursive=True)
-                     if c.status() != psutil.STATUS_ZOMBIE)
-    except psutil.Error:
-        pass
-    return found
-
-
-def alive(pids: set[int]) -> set[int]:
-    try:
-        import psutil  # noqa: PLC0415
-    except ImportError:
-        return set()
-    out = set()
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:  # a zombie is dead, only unreaped
-                out.add(pid)
-        except psutil.Error:
-            continue
-    return out
+    return {p for p in [*group_pids(pgid), *descendants(root_pid)] if alive(p)}
 
 
 def kill(pids: set[int], pgid: int) -> None:
@@ -54,3 +27,17 @@ def kill(pids: set[int], pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def processes(pid: int) -> list:
+    """psutil Processes of PID and its descendants, each after its parent (those gone meanwhile left
+    out). psutil.NoSuchProcess if PID itself is gone."""
+    import psutil
+
+    out = [psutil.Process(pid)]
+    for p in descendants(pid):
+        try:
+            out.append(psutil.Process(p))
+        except psutil.NoSuchProcess:
+            pass
+    return out

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 
-def add_remote(bsub) -> None:
+def add_remote(bsub, verb: str) -> None:
     p = bsub.add_parser(
-        "remote",
+        verb,
         help="s3:// start vs download-then-serve vs the Run:ai streamer; warm restarts; CPU-s per GB",
         description="Upload MODEL to an S3 endpoint (by default a moto server started here on loopback), "
         "then, "

@@ -19,6 +19,10 @@ process stopped here is resumed at the end whatever happens). soak_report.py tur
 report: errors by kind outside / during fault windows, TTFT and total latency percentiles per --window,
 each process's RSS and descriptors after its first window against the end (after the clients stopped
 and the server settled), each fault's recovery time. Exit status 1 when a goal fails (soak_report.goals).
+
+Here: the run (clients, sampler, settling) and the entry point. soak_workload.py makes the requests,
+soak_client.py sends them, soak_checks.py judges the answers, soak_procs.py reads the server's processes,
+soak_faults.py injects the faults.
 """
 
 from __future__ import annotations
@@ -26,405 +30,23 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import os
 import random
-import re
-import signal
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from hotstart.bench import servers as sv
 from hotstart.bench import soak_report as sr
-from hotstart.bench.load import PROMPTS, aborted_request, alive, served, stream_problem
-from hotstart.bench.streams import stream_request
+from hotstart.bench.load import served
+from hotstart.bench.prometheus import metric_values
+from hotstart.bench.soak_checks import classify
+from hotstart.bench.soak_client import read_metrics, send
+from hotstart.bench.soak_faults import Injector
+from hotstart.bench.soak_procs import snapshot
+from hotstart.bench.soak_workload import CHAT, Deck, Req, chat_body, make_request, parse_mix
 from hotstart.errors import HotstartError
+from hotstart.procs import alive
 
-KINDS = ("chat", "chat_stream", "text", "text_stream", "n", "json_schema", "tools", "hangup", "bad")
-COLORS = ["red", "green", "blue"]
-COLOR_SCHEMA = {
-    "type": "object",
-    "properties": {"color": {"type": "string", "enum": COLORS}},
-    "required": ["color"],
-    "additionalProperties": False,
-}
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather of a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 20}},
-            "required": ["city"],
-        },
-    },
-}
-STRUCTURED_TOKENS = 64  # room for a whole JSON answer / tool call (a cut one is only checked for shape)
-CHAT, TEXT = "/v1/chat/completions", "/v1/completions"
 BACKOFF_S = 0.25  # a client's pause after a 503 or no answer (an engine being replaced)
-FAULT_MARGIN_S = 5.0  # no fault this close to the end of the run (its recovery must be seen)
-
-
-@dataclass
-class Req:
-    """One request to send: KIND (KINDS), VARIANT (the bad request's name), its path and body (or raw
-    bytes), streamed or not."""
-
-    kind: str
-    model: str
-    path: str
-    body: dict | None = None
-    raw: bytes | None = None
-    variant: str = ""
-    stream: bool = False
-    extra: dict = field(default_factory=dict)
-
-
-def parse_mix(spec: str) -> dict[str, int]:
-    """'chat=2,bad=1' -> weights of the named kinds (the others 0); one-line errors."""
-    mix: dict[str, int] = {}
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        kind, sep, w = part.partition("=")
-        if kind not in KINDS:
-            raise HotstartError(f"--mix: unknown kind {kind!r} (kinds: {', '.join(KINDS)})")
-        try:
-            mix[kind] = int(w) if sep else 1
-        except ValueError:
-            raise HotstartError(f"--mix: {part!r}: the weight must be an integer") from None
-        if mix[kind] < 0:
-            raise HotstartError(f"--mix: {part!r}: the weight must be >= 0")
-    if not any(mix.values()):
-        raise HotstartError("--mix: no kind with a weight above 0")
-    return mix
-
-
-class Deck:
-    """Kinds in shuffled decks of WEIGHTS (every kind of weight > 0 once per deck at least), shared by
-    all clients so that a short run still sends each kind."""
-
-    def __init__(self, weights: dict[str, int], rng: random.Random):
-        self.weights, self.rng, self.cards = weights, rng, []
-
-    def draw(self) -> str:
-        if not self.cards:
-            self.cards = [k for k, w in self.weights.items() for _ in range(w)]
-            self.rng.shuffle(self.cards)
-        return self.cards.pop()
-
-
-def _chat(model: str, prompt: str, max_tokens: int, **extra) -> dict:
-    return {
-        "model": model,
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": max_tokens,
-        **extra,
-    }
-
-
-def bad_requests(model: str) -> list[Req]:
-    """Requests that must get a 4xx: malformed JSON, an unknown model, parameters out of range, a schema
-    with a typo, a tool_choice naming no tool."""
-    hi = [{"role": "user", "content": "hi"}]
-    raw = json.dumps({"model": model, "messages": hi}).encode()[:-12]  # cut mid-object
-    bad = {
-        "unknown_model": _chat("no-such-model-soak", "hi", 8),
-        "temperature_negative": _chat(model, "hi", 8, temperature=-1),
-        "max_tokens_zero": {"model": model, "prompt": "hi", "max_tokens": 0},
-        "n_zero": _chat(model, "hi", 8, n=0),
-        "schema_typo": _chat(
-            model,
-            "hi",
-            8,
-            response_format={
-                "type": "json_schema",
-                "json_schema": {"name": "x", "schema": {"type": "objec"}},
-            },
-        ),
-        "tool_choice_unknown": _chat(
-            model,
-            "hi",
-            8,
-            tools=[WEATHER],
-            tool_choice={"type": "function", "function": {"name": "no_such_tool"}},
-        ),
-    }
-    out = [Req("bad", model, CHAT, raw=raw, variant="malformed_json")]
-    out += [
-        Req("bad", model, TEXT if "prompt" in b else CHAT, body=b, variant=name) for name, b in bad.items()
-    ]
-    return out
-
-
-BAD_VARIANTS = tuple(r.variant for r in bad_requests("m"))
-
-
-def make_request(
-    kind: str, model: str, rng: random.Random, min_tokens: int, max_tokens: int, bad_index: int = 0
-) -> Req:
-    """The request of KIND to MODEL (prompt, lengths and temperature drawn from RNG)."""
-    prompt, n_tok = rng.choice(PROMPTS), rng.randint(min_tokens, max_tokens)
-    temp = {"temperature": rng.choice([0.0, 0.7])}
-    usage = {"stream": True, "stream_options": {"include_usage": True}}
-    if kind == "chat":
-        return Req(kind, model, CHAT, _chat(model, prompt, n_tok, **temp))
-    if kind == "text":
-        return Req(kind, model, TEXT, {"model": model, "prompt": prompt, "max_tokens": n_tok, **temp})
-    if kind in ("chat_stream", "hangup"):
-        return Req(
-            kind,
-            model,
-            CHAT,
-            _chat(model, prompt, n_tok, **temp, **usage),
-            stream=True,
-            extra={"after": rng.randint(1, 4)} if kind == "hangup" else {},
-        )
-    if kind == "text_stream":
-        return Req(
-            kind,
-            model,
-            TEXT,
-            {"model": model, "prompt": prompt, "max_tokens": n_tok, **temp, **usage},
-            stream=True,
-        )
-    if kind == "n":
-        return Req(kind, model, CHAT, _chat(model, prompt, n_tok, n=2, temperature=0.7), extra={"n": 2})
-    if kind == "json_schema":
-        return Req(
-            kind,
-            model,
-            CHAT,
-            _chat(
-                model,
-                f"Pick a colour: {', '.join(COLORS)}.",
-                STRUCTURED_TOKENS,
-                **temp,
-                response_format={
-                    "type": "json_schema",
-                    "json_schema": {"name": "colour", "schema": COLOR_SCHEMA, "strict": True},
-                },
-            ),
-        )
-    if kind == "tools":
-        return Req(
-            kind,
-            model,
-            CHAT,
-            _chat(
-                model,
-                "What is the weather in Paris?",
-                STRUCTURED_TOKENS,
-                **temp,
-                tools=[WEATHER],
-                tool_choice={"type": "function", "function": {"name": "get_weather"}},
-            ),
-        )
-    if kind == "bad":
-        reqs = bad_requests(model)
-        return reqs[bad_index % len(reqs)]
-    raise ValueError(kind)
-
-
-def answer_problem(req: Req, status: int, body) -> str | None:
-    """What is wrong with a non-streamed answer to a good request (None: nothing). Cut answers
-    (finish_reason length) are checked for shape only; whole ones for content."""
-    if status != 200:
-        return f"HTTP {status}: {json.dumps(body)[:300] if not isinstance(body, str) else body[:300]}"
-    if not isinstance(body, dict) or not isinstance(body.get("choices"), list) or not body["choices"]:
-        return f"no choices: {str(body)[:300]}"
-    choices = body["choices"]
-    want = req.extra.get("n", 1)
-    if sorted(c.get("index") for c in choices) != list(range(want)):
-        return f"expected {want} choices indexed 0..{want - 1}, got {[c.get('index') for c in choices]}"
-    if not isinstance(body.get("usage"), dict) or not body["usage"].get("completion_tokens"):
-        return f"no usage: {body.get('usage')}"
-    for c in choices:
-        finish = c.get("finish_reason")
-        if finish not in ("stop", "length", "tool_calls"):
-            return f"finish_reason {finish!r}"
-        if req.path == TEXT:
-            if not isinstance(c.get("text"), str):
-                return f"no text: {str(c)[:200]}"
-            continue
-        msg = c.get("message") or {}
-        if req.kind == "tools":
-            problem = _tool_problem(msg, finish)
-            if problem:
-                return problem
-        elif not isinstance(msg.get("content"), str):
-            return f"no message content: {str(msg)[:200]}"
-        elif req.kind == "json_schema" and finish == "stop":
-            try:
-                got = json.loads(msg["content"])
-            except ValueError:
-                return f"not JSON under response_format json_schema: {msg['content'][:200]!r}"
-            if not isinstance(got, dict) or got.get("color") not in COLORS or set(got) != {"color"}:
-                return f"JSON not of the schema: {msg['content'][:200]!r}"
-    return None
-
-
-def _tool_problem(msg: dict, finish: str) -> str | None:
-    if finish == "length":
-        return None  # cut inside the forced call: nothing whole to check
-    calls = msg.get("tool_calls") or []
-    if finish != "tool_calls" or not calls:
-        return f"forced tool_choice answered without a call (finish_reason {finish!r}): {str(msg)[:200]}"
-    fn = calls[0].get("function") or {}
-    if fn.get("name") != "get_weather":
-        return f"called {fn.get('name')!r}, not the forced get_weather"
-    try:
-        args = json.loads(fn.get("arguments") or "")
-    except ValueError:
-        return f"arguments not JSON: {fn.get('arguments')!r:.200}"
-    return (
-        None if isinstance(args, dict) and isinstance(args.get("city"), str) else f"arguments {args!r:.200}"
-    )
-
-
-def bad_problem(status: int, body) -> str | None:
-    """A bad request must get a 4xx with OpenAI's error object."""
-    if not 400 <= status < 500:
-        return f"HTTP {status} (expected 4xx): {str(body)[:200]}"
-    err = body.get("error") if isinstance(body, dict) else None
-    if not isinstance(err, dict) or not isinstance(err.get("message"), str):
-        return f"HTTP {status} without OpenAI's error object: {str(body)[:200]}"
-    return None
-
-
-def classify(kind: str, status: int | None, error: str | None) -> str:
-    """The outcome (soak_report.OUTCOMES) of a request of KIND that got STATUS (None: no answer) and
-    ERROR (None: the answer was right)."""
-    if error is not None and error.startswith("timeout after"):
-        return "hung"
-    if status is not None and status >= 500:
-        return "5xx"
-    if kind == "bad":
-        if error is None:
-            return "ok"
-        return "not_4xx" if status is not None and status < 400 else "failed"
-    if error is None:
-        return "hangup" if kind == "hangup" else "ok"
-    return "failed"
-
-
-async def send(client, url: str, req: Req, timeout: float) -> dict:
-    """Send REQ; {status, ttft, error} (the checks above applied)."""
-    import httpx
-
-    if req.stream and req.kind == "hangup":
-        rec = await aborted_request(client, url + req.path, req.body, req.extra["after"], timeout)
-        return {
-            "status": _status(rec["error"]) or (None if rec["error"] else 200),
-            "ttft": None,
-            "error": rec["error"],
-        }
-    if req.stream:
-        rec = await stream_request(client, url + req.path, req.body, timeout, chat=req.path == CHAT)
-        error = rec["error"] or stream_problem(rec)
-        return {
-            "status": _status(rec["error"]) or (200 if rec["done"] or rec["chunks"] else None),
-            "ttft": rec["ttft"],
-            "error": error,
-        }
-    status, body = None, None
-    try:
-        async with asyncio.timeout(timeout):
-            if req.raw is not None:
-                r = await client.post(
-                    url + req.path, content=req.raw, headers={"content-type": "application/json"}
-                )
-            else:
-                r = await client.post(url + req.path, json=req.body)
-            status = r.status_code
-            try:
-                body = r.json()
-            except ValueError:
-                body = r.text
-    except TimeoutError:
-        return {"status": None, "ttft": None, "error": f"timeout after {timeout:.0f} s"}
-    except httpx.HTTPError as e:
-        return {"status": None, "ttft": None, "error": f"{type(e).__name__}: {e}"}
-    error = bad_problem(status, body) if req.kind == "bad" else answer_problem(req, status, body)
-    return {"status": status, "ttft": None, "error": error}
-
-
-def _status(error: str | None) -> int | None:
-    m = re.match(r"HTTP (\d{3})", error or "")
-    return int(m.group(1)) if m else None
-
-
-# ---- the server's processes ------------------------------------------------------------------------
-
-
-def server_processes(pid: int | None, extra: list[int]) -> dict[int, tuple[object, str]]:
-    """pid -> (psutil.Process, role) for the server tree (api, forkserver, engine, engine child) and the
-    trees of EXTRA pids (a zygote: zygote, engine, engine child)."""
-    import psutil
-
-    out: dict[int, tuple[object, str]] = {}
-    for root_pid, root_role in ([(pid, "api")] if pid else []) + [(p, "zygote") for p in extra]:
-        try:
-            root = psutil.Process(root_pid)
-            procs = [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            continue
-        roles = {root_pid: root_role}
-        for p in procs[1:]:
-            try:
-                if p.status() == psutil.STATUS_ZOMBIE:  # a killed engine not reaped yet: gone
-                    continue
-                cmd, parent = " ".join(p.cmdline()), p.ppid()
-            except psutil.Error:
-                continue
-            up = roles.get(parent)
-            if "hotstart.forkserver" in cmd and up == "api":
-                roles[p.pid] = "forkserver"
-            elif up in ("forkserver", "zygote") or "hotstart.engine.worker" in cmd:
-                roles[p.pid] = "engine"
-            else:
-                roles[p.pid] = "engine child" if up in ("engine", "engine child") else "child"
-        out.update({p.pid: (p, roles[p.pid]) for p in procs if p.pid in roles})
-    return out
-
-
-def snapshot(pid: int | None, extra: list[int]) -> dict[int, dict]:
-    """pid -> {role, rss_mb, fds} of every process of the server (those that vanish meanwhile skipped)."""
-    import psutil
-
-    out = {}
-    for p_pid, (p, role) in server_processes(pid, extra).items():
-        try:
-            with p.oneshot():
-                out[p_pid] = {
-                    "role": role,
-                    "rss_mb": round(p.memory_info().rss / 2**20, 1),
-                    "fds": p.num_fds(),
-                }
-        except psutil.Error:
-            pass
-    return out
-
-
-def metric_values(text: str, name: str) -> dict[str, float]:
-    """Samples of metric NAME in Prometheus text, keyed by its `model` label ("" without one)."""
-    out = {}
-    for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})?\s+(\S+)$", text, re.MULTILINE):
-        label = re.search(r'model="((?:[^"\\]|\\.)*)"', m.group(1) or "")
-        out[label.group(1) if label else ""] = float(m.group(2))
-    return out
-
-
-async def read_metrics(client, url: str) -> str:
-    import httpx
-
-    try:
-        r = await client.get(url + "/metrics", timeout=10)
-        return r.text if r.status_code == 200 else ""
-    except httpx.HTTPError:
-        return ""
-
-
-# ---- the run ---------------------------------------------------------------------------------------
 
 
 class Soak:
@@ -436,10 +58,9 @@ class Soak:
         self.rng = random.Random(args.seed)
         self.records: list[dict] = []
         self.samples: list[dict] = []
-        self.faults: list[dict] = []
-        self.stopped: set[int] = set()  # pids SIGSTOPped here and not yet resumed
         self.bad_counter = itertools.count()
         self.t0 = time.monotonic()
+        self.injector = Injector(args, pid, self.extra, self.rng, self.now)
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -531,53 +152,6 @@ class Soak:
             await self.sample(client)
             await asyncio.sleep(self.args.sample_every)
 
-    async def injector(self) -> None:
-        """Every --fault-every seconds: kill or freeze one engine (a freeze lasts until the engine is gone
-        or --freeze-for seconds passed, then it is resumed). None later than FAULT_MARGIN_S (plus the
-        freeze) before the clients stop: its recovery must be seen."""
-        for i in itertools.count():
-            kind = self.args.fault if self.args.fault != "both" else ("kill", "freeze")[i % 2]
-            at = (i + 1) * self.args.fault_every
-            if at > self.args.duration - FAULT_MARGIN_S - (self.args.freeze_for if kind == "freeze" else 0):
-                return
-            await asyncio.sleep(max(0.0, at - self.now()))
-            engines = [
-                p for p, (_, role) in server_processes(self.pid, self.extra).items() if role == "engine"
-            ]
-            fault = {"t": round(self.now(), 3), "kind": kind, "pid": None, "target": "engine", "note": ""}
-            if not engines:
-                self.faults.append({**fault, "note": "no engine process found"})
-                continue
-            target = self.rng.choice(sorted(engines))
-            fault["pid"] = target
-            try:
-                os.kill(target, signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
-            except ProcessLookupError:
-                self.faults.append({**fault, "note": "gone before the signal"})
-                continue
-            self.faults.append(fault)
-            if kind == "freeze":
-                self.stopped.add(target)
-                t_end = time.monotonic() + self.args.freeze_for
-                while time.monotonic() < t_end and _exists(target):
-                    await asyncio.sleep(0.1)
-                fault["note"] = (
-                    f"resumed (SIGCONT) after {self.args.freeze_for:g} s"
-                    if self.resume(target)
-                    else f"gone after {self.now() - fault['t']:.1f} s (killed by the watchdog)"
-                )
-
-    def resume(self, pid: int) -> bool:
-        """SIGCONT PID if it is still there (True then); forget it either way."""
-        self.stopped.discard(pid)
-        if not _exists(pid):
-            return False
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            return False
-        return True
-
     async def settle(self, client) -> None:
         """Until no request runs or waits (or --settle-timeout): the end sample is taken idle."""
         t_end = time.monotonic() + self.args.settle_timeout
@@ -603,7 +177,7 @@ class Soak:
             models = await self.models(client)
             for m in models:  # loads every model of a many-models server before the clock starts
                 warm = await send(
-                    client, self.url, Req("chat", m, CHAT, _chat(m, "Hi", 4)), args.request_timeout
+                    client, self.url, Req("chat", m, CHAT, chat_body(m, "Hi", 4)), args.request_timeout
                 )
                 if warm["error"]:
                     raise HotstartError(f"bench soak: the warm-up request to {m} failed: {warm['error']}")
@@ -613,7 +187,7 @@ class Soak:
             deadline = self.t0 + args.duration
             background = [asyncio.create_task(self.sampler(client))]
             if args.fault_every:
-                background.append(asyncio.create_task(self.injector()))
+                background.append(asyncio.create_task(self.injector.run()))
             clients = [
                 asyncio.create_task(self.client_loop(i, client, models, deck, deadline))
                 for i in range(args.clients)
@@ -628,11 +202,11 @@ class Soak:
                 for t in [*background, *clients]:
                     t.cancel()
                 await asyncio.gather(*background, *clients, return_exceptions=True)
-                left = sorted(p for p in list(self.stopped) if self.resume(p))
+                left = self.injector.resume_all()
             end = self.now()
             await self.settle(client)
             await self.sample(client)
-        faults = sr.recovery(self.faults, self.records, args.fault_grace, end)
+        faults = sr.recovery(self.injector.faults, self.records, args.fault_grace, end)
         return {
             "url": self.url,
             "server_pid": self.pid,
@@ -653,16 +227,6 @@ class Soak:
             "records": self.records,
             "samples": self.samples,
         }
-
-
-def _exists(pid: int) -> bool:
-    """PID is there and not a zombie (a killed engine not reaped yet is gone)."""
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def _check(args) -> None:

@@ -23,9 +23,6 @@ import sys
 import time
 from pathlib import Path
 
-# Imported before anything is evicted: an import during a cold run would warm the files it reads.
-import psutil  # noqa: F401 - used by hotstart.bench.process at stop time
-
 from hotstart.bench import evict as ev
 from hotstart.bench import floor, peers, report
 from hotstart.bench import targets as tg

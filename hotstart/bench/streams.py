@@ -16,6 +16,8 @@ import os
 import statistics
 import time
 
+from hotstart.bench.procgroup import processes
+
 
 def wait_quiet(max_load: float, max_wait: float) -> dict:
     """Wait until the 1-minute load average is below max_load (at most max_wait seconds)."""
@@ -51,8 +53,7 @@ class CpuNoise:
         procs = [psutil.Process()]
         if self.pid:
             try:
-                root = psutil.Process(self.pid)
-                procs += [root, *root.children(recursive=True)]
+                procs += processes(self.pid)
             except psutil.NoSuchProcess:
                 pass
         total = 0.0

@@ -32,6 +32,7 @@ from hotstart.engine.placement import resolve_placement
 from hotstart.errors import HotstartError
 from hotstart.messages import RANK_LEFT, EngineAddresses
 from hotstart.model.parallel import TensorParallel, divisibility_error
+from hotstart.procs import alive
 
 log = logging.getLogger("hotstart.engine")
 OP_STEP, OP_COPY, OP_PACK, OP_NOOP, OP_SHUTDOWN = range(5)
@@ -185,7 +186,9 @@ class Group:
         if fds is not None:
             select.select(fds, [], [])
         else:
-            while all(_alive(p) for p in peers):
+            # The peers are the forkserver's (or zygote's) children, not ours: one that exited stays a
+            # zombie until its parent reaps it, and counts as gone at once, as a readable pidfd says too.
+            while all(alive(p) for p in peers):
                 time.sleep(POLL_S)
         self._peer_gone()
 
@@ -199,16 +202,6 @@ class Group:
         log.error("hotstart: engine rank %d: %s; leaving", self.rank, why)
         time.sleep(LINGER_S)
         os._exit(RANK_LEFT)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 def start(cfg: EngineConfig, addresses: EngineAddresses, rank: int, world_size: int) -> Group:

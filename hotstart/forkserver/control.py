@@ -23,6 +23,7 @@ import time
 
 from hotstart.errors import HotstartError
 from hotstart.forkserver.runtime import Identity, Paths, connect, ensure_private_dir, mismatch, paths
+from hotstart.procs import alive
 
 START_TIMEOUT_S = 120.0
 KEEP_READ_BPS = 50e6  # the slowest storage worth waiting for while --keep reads the files in
@@ -38,20 +39,6 @@ def _mb(n: int) -> str:
 def _age(seconds: float) -> str:
     s = int(seconds)
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] == "Z"  # dead, not yet reaped by its new parent
-    except (OSError, IndexError):
-        return True
 
 
 def _lock_free(p: Paths) -> bool:
@@ -193,9 +180,9 @@ def cmd_stop(args) -> int:  # noqa: ARG001
         print(f"hotstart zygote: not running{' (stale socket removed)' if removed else ''}")
         return 0
     deadline = time.monotonic() + STOP_TIMEOUT_S
-    while not _gone(st.pid) and time.monotonic() < deadline:
+    while alive(st.pid) and time.monotonic() < deadline:  # the zygote's parent (not us) reaps it
         time.sleep(0.02)
-    if not _gone(st.pid):
+    if alive(st.pid):
         os.kill(st.pid, signal.SIGKILL)
     _clean_stale(p)
     extra = f" and {st.engines} engine(s) of {st.clients} server(s)" if st.engines else ""

@@ -30,6 +30,7 @@ from hotstart.messages import (
     SpawnEngine,
     StopEngine,
 )
+from hotstart.procs import alive
 
 if TYPE_CHECKING:
     from hotstart.config import EngineConfig
@@ -167,7 +168,7 @@ class ModelLauncher:
         self.stop_engine()
         deadline = time.monotonic() + timeout
         while pids and time.monotonic() < deadline:
-            pids = [p for p in pids if _alive(p)]
+            pids = [p for p in pids if alive(p)]  # exited is enough: its forkserver (or zygote) reaps it
             if pids:
                 time.sleep(WAIT_STEP_S)
         for p in pids:
@@ -177,17 +178,6 @@ class ModelLauncher:
                 pass
         self.engine_pids = {}
         self.shared.forget(self)
-
-
-def _alive(pid: int) -> bool:
-    """Not reaped yet by its parent (the forkserver reaps as it stops it)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def launcher_for(shared: SharedLauncher | None, use_forkserver: bool):

@@ -1,7 +1,7 @@
 """`hotstart bench startup`: the real harness on the default model, servers that fail in every way, and
 named peers (a stdlib fake server stands in for vLLM / llama.cpp: no peer install needed).
 
-Each test runs the CLI in its own session with a hard timeout and checks, with psutil, that no process
+Each test runs the CLI in its own session with a hard timeout and checks (/proc) that no process
 of any launched group survives. Bounded: ~40-70 s in all on 2 cores.
 """
 
@@ -17,9 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 from util import run_session
+
+from hotstart.procs import alive, group_pids
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -33,14 +34,8 @@ def assert_groups_gone(data: dict) -> None:
     pgids = {r["stop"]["pgid"] for r in data["runs"] if "stop" in r}
     for r in data["runs"]:
         assert r.get("stop", {}).get("leftover", []) == [], r
-    alive = []
-    for p in psutil.process_iter(["status"]):
-        try:
-            if p.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(p.pid) in pgids:
-                alive.append(p.pid)
-        except (OSError, psutil.Error):
-            continue
-    assert not alive, f"processes left in groups {pgids}: {alive}"
+    left = [p for g in pgids for p in group_pids(g) if alive(p)]
+    assert not left, f"processes left in groups {pgids}: {left}"
 
 
 @pytest.mark.e2e

@@ -9,25 +9,24 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 from collections import Counter
 
 import httpx
-import psutil
 from helpers.models import make_tiny
 from util import REPO, Server, run_session
 
-from hotstart.bench.soak import BAD_VARIANTS, KINDS
+from hotstart.bench.prometheus import samples
+from hotstart.bench.soak_workload import BAD_VARIANTS, KINDS
+from hotstart.procs import descendants
 
 
 def server_counts(metrics: str) -> Counter:
     """(endpoint, status) -> requests, from the server's own counter."""
     out: Counter = Counter()
-    for m in re.finditer(
-        r'^hotstart_http_requests_total\{endpoint="([^"]+)",status="(\d+)"\} (\S+)$', metrics, re.MULTILINE
-    ):
-        out[(m.group(1), int(m.group(2)))] += int(float(m.group(3)))
+    for name, labels, value in samples(metrics):
+        if name == "hotstart_http_requests_total":
+            out[(labels["endpoint"], int(labels["status"]))] += int(value)
     return out
 
 
@@ -37,7 +36,7 @@ def test_short_soak_sends_every_kind_and_survives_a_kill(tmp_path):
     # one torch thread per engine: two engines and the soak client share the cores
     s = Server(f"a={model}", f"b={model}", *engine, env={"OMP_NUM_THREADS": "1"})
     try:
-        engines_before = {p.pid for p in psutil.Process(s.proc.pid).children(recursive=True)}
+        engines_before = set(descendants(s.proc.pid))
         out = tmp_path / "soak.json"
         # a few seconds: RSS still grows then (KV pages touched for the first time), so the growth limit
         # is loose; the long soak checks the 15 % (docs/reliability.md)

@@ -1,6 +1,6 @@
 """`hotstart bench soak`'s report and checks without a server (fast tier): percentiles per window, fault
 windows and recovery, RSS / descriptor growth from the first window, the goals, and the request kinds'
-bodies and answer checks (hotstart/bench/soak.py, soak_report.py)."""
+bodies and answer checks (hotstart/bench/soak_workload.py, soak_checks.py, soak_report.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import random
 
 import pytest
 
-from hotstart.bench import soak
+from hotstart.bench import soak_checks as checks
 from hotstart.bench import soak_report as sr
+from hotstart.bench import soak_workload as workload
 from hotstart.errors import HotstartError
 
 
@@ -172,29 +173,31 @@ def test_goals_pass_clean_and_name_each_failure():
 
 
 def test_deck_sends_every_kind_within_one_deck():
-    mix = soak.parse_mix("chat=2,chat_stream=3,text=1,text_stream=2,n=1,json_schema=1,tools=1,hangup=1,bad=1")
-    deck = soak.Deck(mix, random.Random(0))
+    mix = workload.parse_mix(
+        "chat=2,chat_stream=3,text=1,text_stream=2,n=1,json_schema=1,tools=1,hangup=1,bad=1"
+    )
+    deck = workload.Deck(mix, random.Random(0))
     first = [deck.draw() for _ in range(13)]
-    assert sorted(set(first)) == sorted(soak.KINDS) and first.count("chat_stream") == 3
-    assert soak.parse_mix("bad") == {"bad": 1}
+    assert sorted(set(first)) == sorted(workload.KINDS) and first.count("chat_stream") == 3
+    assert workload.parse_mix("bad") == {"bad": 1}
     for spec, msg in (("chat=x", "must be an integer"), ("nope=1", "unknown kind"), ("chat=0", "no kind")):
         with pytest.raises(HotstartError, match=msg):
-            soak.parse_mix(spec)
+            workload.parse_mix(spec)
 
 
 def test_request_bodies_of_each_kind():
     rng = random.Random(1)
-    reqs = {k: soak.make_request(k, "m", rng, 4, 8) for k in soak.KINDS}
+    reqs = {k: workload.make_request(k, "m", rng, 4, 8) for k in workload.KINDS}
     assert reqs["chat_stream"].stream and reqs["chat_stream"].body["stream_options"] == {
         "include_usage": True
     }
     assert reqs["hangup"].stream and 1 <= reqs["hangup"].extra["after"] <= 4
-    assert reqs["text"].path == soak.TEXT and "prompt" in reqs["text"].body
+    assert reqs["text"].path == workload.TEXT and "prompt" in reqs["text"].body
     assert reqs["n"].body["n"] == 2 and reqs["tools"].body["tool_choice"]["function"]["name"] == "get_weather"
-    assert reqs["json_schema"].body["response_format"]["json_schema"]["schema"] == soak.COLOR_SCHEMA
-    bad = [soak.make_request("bad", "m", rng, 4, 8, i) for i in range(len(soak.BAD_VARIANTS))]
-    assert [r.variant for r in bad] == list(soak.BAD_VARIANTS) and bad[0].raw.startswith(b'{"model": "m"')
-    assert len(set(soak.BAD_VARIANTS)) == 7
+    assert reqs["json_schema"].body["response_format"]["json_schema"]["schema"] == workload.COLOR_SCHEMA
+    bad = [workload.make_request("bad", "m", rng, 4, 8, i) for i in range(len(workload.BAD_VARIANTS))]
+    assert [r.variant for r in bad] == list(workload.BAD_VARIANTS) and bad[0].raw.startswith(b'{"model": "m"')
+    assert len(set(workload.BAD_VARIANTS)) == 7
 
 
 def _answer(content=None, finish="stop", n=1, tool_calls=None, text=None):
@@ -208,24 +211,25 @@ def _answer(content=None, finish="stop", n=1, tool_calls=None, text=None):
 
 def test_answer_checks():
     rng = random.Random(0)
-    js, tools, n = (soak.make_request(k, "m", rng, 4, 8) for k in ("json_schema", "tools", "n"))
-    assert soak.answer_problem(js, 200, _answer('{"color": "red"}')) is None
-    assert "not of the schema" in soak.answer_problem(js, 200, _answer('{"color": "pink"}'))
-    assert "not JSON" in soak.answer_problem(js, 200, _answer('{"color": "re'))
-    assert soak.answer_problem(js, 200, _answer('{"color": "re', finish="length")) is None  # cut: shape only
+    js, tools, n = (workload.make_request(k, "m", rng, 4, 8) for k in ("json_schema", "tools", "n"))
+    assert checks.answer_problem(js, 200, _answer('{"color": "red"}')) is None
+    assert "not of the schema" in checks.answer_problem(js, 200, _answer('{"color": "pink"}'))
+    assert "not JSON" in checks.answer_problem(js, 200, _answer('{"color": "re'))
+    cut = _answer('{"color": "re', finish="length")
+    assert checks.answer_problem(js, 200, cut) is None  # cut: shape only
     call = [
         {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "X"}'}}
     ]
-    assert soak.answer_problem(tools, 200, _answer(tool_calls=call, finish="tool_calls")) is None
-    assert "without a call" in soak.answer_problem(tools, 200, _answer("hello"))
-    assert soak.answer_problem(n, 200, _answer("x", n=2)) is None
-    assert "expected 2 choices" in soak.answer_problem(n, 200, _answer("x"))
-    text = soak.make_request("text", "m", rng, 4, 8)
-    assert soak.answer_problem(text, 200, _answer(text="ok")) is None
-    assert soak.answer_problem(text, 503, {"error": {}}).startswith("HTTP 503")
-    assert soak.bad_problem(400, {"error": {"message": "m"}}) is None
-    assert "expected 4xx" in soak.bad_problem(200, _answer("x"))
-    assert "error object" in soak.bad_problem(422, {"detail": "x"})
+    assert checks.answer_problem(tools, 200, _answer(tool_calls=call, finish="tool_calls")) is None
+    assert "without a call" in checks.answer_problem(tools, 200, _answer("hello"))
+    assert checks.answer_problem(n, 200, _answer("x", n=2)) is None
+    assert "expected 2 choices" in checks.answer_problem(n, 200, _answer("x"))
+    text = workload.make_request("text", "m", rng, 4, 8)
+    assert checks.answer_problem(text, 200, _answer(text="ok")) is None
+    assert checks.answer_problem(text, 503, {"error": {}}).startswith("HTTP 503")
+    assert checks.bad_problem(400, {"error": {"message": "m"}}) is None
+    assert "expected 4xx" in checks.bad_problem(200, _answer("x"))
+    assert "error object" in checks.bad_problem(422, {"detail": "x"})
 
 
 @pytest.mark.parametrize(
@@ -244,13 +248,4 @@ def test_answer_checks():
     ],
 )
 def test_classify(kind, status, error, outcome):
-    assert soak.classify(kind, status, error) == outcome
-
-
-def test_metric_values_with_and_without_the_model_label():
-    text = (
-        "# HELP hotstart_kv_cache_usage_ratio x\nhotstart_kv_cache_usage_ratio 0.25\n"
-        'hotstart_kv_cache_usage_ratio{model="a"} 0.5\nhotstart_kv_cache_usage_ratio{model="b\\"q"} 1.0\n'
-        "hotstart_kv_cache_usage_ratio_other 3\n"
-    )
-    assert soak.metric_values(text, "hotstart_kv_cache_usage_ratio") == {"": 0.25, "a": 0.5, 'b\\"q': 1.0}
+    assert checks.classify(kind, status, error) == outcome

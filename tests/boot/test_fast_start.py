@@ -16,6 +16,8 @@ import psutil
 import pytest
 from util import Server, tagged
 
+from hotstart.procs import descendants
+
 QUESTION = {
     "model": "SmolLM2-135M-Instruct",
     "messages": [{"role": "user", "content": "What is the capital of France?"}],
@@ -115,11 +117,7 @@ def test_sigterm_in_every_startup_phase_leaves_nothing(default_model_dir, delay)
         start_new_session=True,
     )
     time.sleep(delay)
-    family = [proc.pid]
-    try:
-        family += [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        pass
+    family = [proc.pid, *descendants(proc.pid)]
     t = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     try:

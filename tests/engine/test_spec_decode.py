@@ -17,6 +17,7 @@ from contextlib import contextmanager
 
 import pytest
 
+from hotstart.bench.prometheus import samples
 from hotstart.cli import main as hotstart_main
 from hotstart.config import EngineConfig
 from hotstart.engine.core import EngineCore
@@ -531,11 +532,7 @@ def test_served_with_the_flag_same_text_and_acceptance_in_metrics(
         metrics = httpx.get(srv.url + "/metrics", timeout=30).text
     finally:
         srv.stop()
-    values = {
-        line.split("{")[0]: float(line.rsplit(" ", 1)[1])
-        for line in metrics.splitlines()
-        if line.startswith("vllm:spec_decode_")
-    }
+    values = {name: v for name, _, v in samples(metrics) if name.startswith("vllm:spec_decode_")}
     assert (
         0
         < values["vllm:spec_decode_num_accepted_tokens_total"]

@@ -34,6 +34,7 @@ from hotstart.messages import (
     from_engine_decoder,
 )
 from hotstart.model.files import weight_files
+from hotstart.procs import alive
 
 
 def test_frames_round_trip_and_split_anywhere():
@@ -152,15 +153,15 @@ def test_one_forkserver_forks_two_engines_that_both_serve(tiny_checkpoint):
         send(fs.sock, StopEngine(1))  # one generation goes; the other keeps running
         exited = fs.next(EngineExited)
         assert (exited.generation, exited.pid) == (1, spawned[1].pid)
-        assert not psutil.pid_exists(spawned[1].pid) or psutil.Process(spawned[1].pid).status() == "zombie"
+        assert not alive(spawned[1].pid)
         assert psutil.pid_exists(spawned[2].pid)
 
         fs.sock.close()  # the API process goes away: the forkserver stops its engines and exits
         assert fs.proc.wait(10) == 0
-        _, alive = psutil.wait_procs(
+        _, left = psutil.wait_procs(
             [psutil.Process(spawned[2].pid)] if psutil.pid_exists(spawned[2].pid) else [], timeout=5
         )
-        assert not alive
+        assert not left
     finally:
         if fs.proc.poll() is None:
             fs.proc.kill()

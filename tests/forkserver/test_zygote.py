@@ -38,6 +38,7 @@ from hotstart.forkserver.runtime import (
     probe,
 )
 from hotstart.messages import ServerInfo, Span
+from hotstart.procs import alive
 
 REPO = Path(__file__).resolve().parents[2]
 # The fast path's compile worker behind READY is another engineer's subject: off, so these servers do
@@ -95,10 +96,7 @@ def _info(rundir: str) -> ServerInfo | None:
 def _wait_gone(pid: int, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
+        if not alive(pid):
             return True
         time.sleep(0.02)
     return False
@@ -144,7 +142,7 @@ def test_zygote_serves_the_same_answers_and_leaves_nothing(default_model_dir, ru
     finally:
         s.stop()  # SIGTERM
     assert _wait_gone(engines[0].pid, 10), "the engine outlived its server"
-    assert zygote.is_running() and zygote.status() != psutil.STATUS_ZOMBIE
+    assert alive(zygote.pid)
     report = json.loads(audit.read_text())
     assert report["torch_imported"] is False and report["off_main_thread"] == []
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from hotstart.diskio import home_writable
 from hotstart.model.layers import MATH_REVISION
 from hotstart.model.registry import model_class
 from hotstart.model_config import ModelConfig
+from hotstart.procs import alive
 from hotstart.system import cpu_flags, hotstart_home
 
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16", "amx_tile", "fma")
@@ -74,11 +74,11 @@ def remove_stale(folder: Path) -> None:
     """Temp files of compile workers that died mid-write (named .NAME.PID.tmp.pt2)."""
     for f in folder.glob(".*.tmp.pt2"):
         try:
-            os.kill(int(f.name.split(".")[-3]), 0)
-        except (ValueError, ProcessLookupError):
+            pid = int(f.name.split(".")[-3])
+        except ValueError:
+            pid = 0
+        if not alive(pid):
             f.unlink(missing_ok=True)
-        except PermissionError:
-            pass
 
 
 def usable(path: Path) -> bool:

@@ -1,0 +1,53 @@
+"""hotstart/procs.py's one liveness rule (a zombie is not alive) and its /proc walker, on real processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+from hotstart.procs import alive, descendants, group_pids, terminate_then_kill, tree
+
+
+def _state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def test_this_process_is_alive_and_no_group_is_a_process():
+    assert alive(os.getpid())
+    assert os.getpid() in group_pids(os.getpgid(0))
+    assert not alive(0) and not alive(-1)  # signal 0 to these would test a group
+    assert not alive(2**22 + 1)  # above any pid_max
+
+
+def test_a_zombie_is_not_alive_and_reaping_leaves_nothing():
+    proc = subprocess.Popen(["sleep", "0"])
+    deadline = time.monotonic() + 10
+    while _state(proc.pid) != "Z" and time.monotonic() < deadline:  # exited, not reaped: we have not waited
+        time.sleep(0.01)
+    assert _state(proc.pid) == "Z"
+    assert not alive(proc.pid)
+    assert proc.wait(5) == 0
+    assert not alive(proc.pid) and _state(proc.pid) is None
+
+
+def test_descendants_come_after_their_parents():
+    proc = subprocess.Popen(["sh", "-c", "sleep 30 & sleep 30 & wait"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while len(descendants(proc.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        parents = tree(proc.pid)
+        assert len(parents) == 2 and set(parents.values()) == {proc.pid}, parents
+        assert all(alive(p) for p in parents) and set(group_pids(proc.pid)) == {proc.pid, *parents}
+        ours = descendants(os.getpid())
+        assert all(ours.index(proc.pid) < ours.index(p) for p in parents)  # a parent before its children
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        terminate_then_kill([proc], 1.0)
+    assert not alive(proc.pid)
