@@ -11,11 +11,11 @@ import shutil
 import sys
 import textwrap
 
-import psutil
 import pytest
 from util import Server, openai_client, run_session, tagged
 
 from hotstart import LLM, SamplingParams, StructuredOutputsParams
+from hotstart.procs import alive
 
 pytestmark = pytest.mark.e2e  # LLM() starts the forkserver and the engine
 PROMPTS = [[5, 6, 7, 8, 9], [3, 4, 5], [11, 12, 13, 14, 15, 16, 17]]
@@ -39,7 +39,7 @@ def _pids(llm: LLM) -> list[int]:
 
 
 def _gone(pids: list[int]) -> bool:
-    return all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in pids)
+    return not any(map(alive, pids))
 
 
 def test_greedy_equals_transformers_and_the_server(tiny_model):
