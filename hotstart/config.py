@@ -7,7 +7,6 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any
 
-from hotstart.engine.spec_config import speculative_config
 from hotstart.flags import (
     at_least_one,
     bucket_list,
@@ -21,6 +20,7 @@ from hotstart.flags import (
     values,
 )
 from hotstart.model_config import ModelConfig, RopeConfig, load_model_config
+from hotstart.spec_config import speculative_config
 
 __all__ = ["EngineConfig", "ModelConfig", "RopeConfig", "ServeConfig", "load_model_config", "serial_baseline"]
 
