@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from util import REPO
+from helpers import REPO
 
 from hotstart.bench.args import BENCH_COMMANDS
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from util import run_session
+from helpers.procs import run_session
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -15,8 +15,10 @@ from collections import Counter
 
 import httpx
 import psutil
+from helpers import REPO
 from helpers.models import make_tiny
-from util import REPO, Server, run_session
+from helpers.procs import run_session
+from helpers.server import Server
 
 from hotstart.bench.soak import BAD_VARIANTS, KINDS
 

@@ -14,7 +14,8 @@ import time
 import httpx
 import psutil
 import pytest
-from util import Server, tagged
+from helpers.procs import tagged
+from helpers.server import Server
 
 QUESTION = {
     "model": "SmolLM2-135M-Instruct",

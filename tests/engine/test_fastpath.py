@@ -13,7 +13,8 @@ import httpx
 import pytest
 import torch
 import torch.nn.functional as F
-from util import Server, greedy_batch
+from helpers.engine import greedy_batch
+from helpers.server import Server
 
 from hotstart.config import EngineConfig
 from hotstart.engine.core import EngineCore

@@ -488,7 +488,7 @@ def test_served_with_the_flag_same_text_and_acceptance_in_metrics(
     import shutil
 
     import httpx
-    from util import Server
+    from helpers.server import Server
 
     folder = tmp_path / "served"
     shutil.copytree(model_dir, folder)

@@ -23,7 +23,7 @@ import httpx
 import msgspec
 import psutil
 import pytest
-from util import Server
+from helpers.server import Server
 
 from hotstart.forkserver import keep as keeping
 from hotstart.forkserver.control import query

@@ -13,7 +13,8 @@ import textwrap
 
 import psutil
 import pytest
-from util import Server, openai_client, run_session, tagged
+from helpers.procs import run_session, tagged
+from helpers.server import Server, openai_client
 
 from hotstart import LLM, SamplingParams, StructuredOutputsParams
 

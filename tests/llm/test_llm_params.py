@@ -41,7 +41,7 @@ def test_wire_params():
 
 
 def test_import_hotstart_stays_light():
-    from util import no_torch_in
+    from helpers.procs import no_torch_in
 
     for module in ("hotstart", "hotstart.llm", "hotstart.server.api"):  # the LLM's API side is torch-free too
         ok, heavy = no_torch_in(module)

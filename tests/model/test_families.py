@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from util import REPO
+from helpers import REPO
 
 from hotstart import families
 from hotstart.config import EngineConfig

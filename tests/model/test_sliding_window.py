@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from util import Server, openai_client
+from helpers.server import Server, openai_client
 
 from hotstart import families
 from hotstart.config import EngineConfig
