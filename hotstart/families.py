@@ -1,16 +1,16 @@
 """Every model family hotstart knows, in one torch-free table: the architectures it answers to, how its
-config.json is read (as transformers' modeling code reads it), the module that builds it, the real shapes
-`hotstart make-model` writes, and the tiny odd-shaped checkpoints the tests compare against transformers.
+config.json is read (as transformers' modeling code reads it), the module that builds it, and the real
+shapes `hotstart make-model` writes.
 
 Readers: model_config.py (flags and defaults), model/registry.py (the builder, imported lazily),
-bench/make_model.py and bench/args.py (sizes), tests/conftest.py and benchmarks/gpu_check.py (tiny
-configs); the README's model table is model_table()'s output (a test checks). A new family is one entry
-here and one small file in hotstart/model/families/.
+bench/make_model.py and bench/args.py (sizes); the README's model table is model_table()'s output (a test
+checks). The tiny odd-shaped checkpoints the tests compare against transformers are tests/helpers/
+families.py's. A new family is one entry here, one small file in hotstart/model/families/ and a tiny
+config there.
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -84,9 +84,6 @@ class Family:
     sizes: dict[str, Shape] = field(default_factory=dict)
     make_config: dict[str, Any] = field(default_factory=dict)  # config.json fields beside the shape
     size_config: dict[str, dict[str, Any]] = field(default_factory=dict)  # per size: changes to make_config
-    # -- tests (transformers config kwargs) --
-    tiny: dict[str, Any] = field(default_factory=dict)  # odd shapes on purpose
-    tiny_tp: dict[str, Any] = field(default_factory=dict)  # changes to tiny: heads and MLP divisible by 2
 
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
@@ -116,15 +113,6 @@ FAMILIES: tuple[Family, ...] = (
                      "attention_bias": False, "mlp_bias": False},
         size_config={"8b": {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
                             "max_position_embeddings": 8192}},
-        # 5 heads / 1 KV head, llama3 RoPE scaling with a short original context
-        tiny=dict(hidden_size=80, intermediate_size=144, num_hidden_layers=2, num_attention_heads=5,
-                  num_key_value_heads=1, vocab_size=512, max_position_embeddings=1024, rms_norm_eps=1e-5,
-                  tie_word_embeddings=False, initializer_range=0.2, rope_theta=500000.0,
-                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                "high_freq_factor": 4.0, "original_max_position_embeddings": 128}),
-        # attention and MLP biases: the row-parallel layers add theirs after the all-reduce
-        tiny_tp=dict(hidden_size=64, intermediate_size=112, num_attention_heads=4, num_key_value_heads=2,
-                     attention_bias=True, mlp_bias=True),
     ),
     Family(
         "qwen2", ("Qwen2ForCausalLM",), "qwen2", "hotstart.model.families.qwen2:Qwen2ForCausalLM",
@@ -139,12 +127,6 @@ FAMILIES: tuple[Family, ...] = (
                "7b": Shape(3584, 18944, 28, 28, 4, None, False)},
         make_config={"rms_norm_eps": 1e-6, "rope_parameters": ROPE_1M, "max_position_embeddings": 32768,
                      "use_sliding_window": False, "sliding_window": None},
-        # 6 heads / 3 KV heads, q/k/v biases
-        tiny=dict(hidden_size=96, intermediate_size=200, num_hidden_layers=3, num_attention_heads=6,
-                  num_key_value_heads=3, vocab_size=512, max_position_embeddings=1024, rope_theta=10000.0,
-                  rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.2),
-        tiny_tp=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2),
     ),
     Family(
         "qwen3", ("Qwen3ForCausalLM",), "qwen3", "hotstart.model.families.qwen3:Qwen3ForCausalLM",
@@ -159,13 +141,6 @@ FAMILIES: tuple[Family, ...] = (
                "8b": Shape(4096, 12288, 36, 32, 8, 128, False)},
         make_config={"rms_norm_eps": 1e-6, "rope_parameters": ROPE_1M, "max_position_embeddings": 40960,
                      "attention_bias": False, "use_sliding_window": False, "sliding_window": None},
-        # head_dim 24 != hidden / heads, tied embeddings
-        tiny=dict(hidden_size=96, intermediate_size=160, num_hidden_layers=3, num_attention_heads=6,
-                  num_key_value_heads=3, head_dim=24, vocab_size=512, max_position_embeddings=1024,
-                  rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.2),
-        # an odd vocabulary: the last rank's vocabulary shard is shorter
-        tiny_tp=dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, head_dim=24, vocab_size=509),
     ),
     Family(
         "mistral", ("MistralForCausalLM",), "mistral", "hotstart.model.families.llama:LlamaForCausalLM",
@@ -176,12 +151,6 @@ FAMILIES: tuple[Family, ...] = (
         sizes={"7b": Shape(4096, 14336, 32, 32, 8, 128, False)},
         make_config={"rms_norm_eps": 1e-5, "rope_parameters": ROPE_1M, "max_position_embeddings": 32768,
                      "sliding_window": None},
-        # head_dim 20 != hidden / heads; a window of 16, shorter than the test prompts
-        tiny=dict(hidden_size=96, intermediate_size=136, num_hidden_layers=2, num_attention_heads=6,
-                  num_key_value_heads=2, head_dim=20, vocab_size=512, max_position_embeddings=1024,
-                  sliding_window=16, rope_theta=1000000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                  initializer_range=0.2),
-        tiny_tp=dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2),
     ),
     Family(
         "mixtral", ("MixtralForCausalLM",), "mixtral", "hotstart.model.families.mixtral:MixtralForCausalLM",
@@ -195,12 +164,6 @@ FAMILIES: tuple[Family, ...] = (
         make_config={"rms_norm_eps": 1e-5, "rope_parameters": ROPE_1M, "max_position_embeddings": 32768,
                      "sliding_window": None, "num_local_experts": 8, "num_experts_per_tok": 2},
         size_config={"tiny": {"num_local_experts": 4}},
-        # 5 heads / 1 KV head; 5 experts, 3 per token (not a multiple)
-        tiny=dict(hidden_size=80, intermediate_size=48, num_hidden_layers=2, num_attention_heads=5,
-                  num_key_value_heads=1, vocab_size=512, max_position_embeddings=1024, rms_norm_eps=1e-5,
-                  num_local_experts=5, num_experts_per_tok=3, rope_theta=1000000.0, tie_word_embeddings=False,
-                  initializer_range=0.2),
-        tiny_tp=dict(hidden_size=64, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2),
     ),
     Family(
         "qwen2-moe", ("Qwen2MoeForCausalLM",), "qwen2_moe",
@@ -221,14 +184,6 @@ FAMILIES: tuple[Family, ...] = (
                      "decoder_sparse_step": 1, "mlp_only_layers": []},
         size_config={"tiny": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 96,
                               "shared_expert_intermediate_size": 192}},
-        # 6 heads / 3 KV heads; 5 experts, 3 per token; layer 1 dense (`mlp_only_layers`)
-        tiny=dict(hidden_size=96, intermediate_size=72, num_hidden_layers=4, num_attention_heads=6,
-                  num_key_value_heads=3, vocab_size=512, max_position_embeddings=1024, rope_theta=10000.0,
-                  rms_norm_eps=1e-6, num_experts=5, num_experts_per_tok=3, moe_intermediate_size=40,
-                  shared_expert_intermediate_size=56, norm_topk_prob=False, mlp_only_layers=[1],
-                  tie_word_embeddings=False, initializer_range=0.2),
-        tiny_tp=dict(hidden_size=64, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                     num_key_value_heads=2, moe_intermediate_size=32, shared_expert_intermediate_size=48),
     ),
     Family(
         "qwen3-moe", ("Qwen3MoeForCausalLM",), "qwen3_moe",
@@ -247,14 +202,6 @@ FAMILIES: tuple[Family, ...] = (
                      "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
         size_config={"3b-a0.6b": {"num_experts": 64, "moe_intermediate_size": 512},
                      "tiny": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 96}},
-        # head_dim 24 != hidden / heads, 7 experts, 3 per token; decoder_sparse_step 2: layers 0 and 2 dense
-        tiny=dict(hidden_size=96, intermediate_size=88, num_hidden_layers=4, num_attention_heads=6,
-                  num_key_value_heads=2, head_dim=24, vocab_size=512, max_position_embeddings=1024,
-                  rope_theta=1000000.0, rms_norm_eps=1e-6, num_experts=7, num_experts_per_tok=3,
-                  moe_intermediate_size=36, norm_topk_prob=True, decoder_sparse_step=2,
-                  tie_word_embeddings=False, initializer_range=0.2),
-        tiny_tp=dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-                     head_dim=16, moe_intermediate_size=32),
     ),
     Family(
         "gemma2", ("Gemma2ForCausalLM",), "gemma2", "hotstart.model.families.gemma2:Gemma2ForCausalLM",
@@ -270,14 +217,6 @@ FAMILIES: tuple[Family, ...] = (
                      "max_position_embeddings": 8192, "hidden_activation": "gelu_pytorch_tanh",
                      "query_pre_attn_scalar": 256, "sliding_window": 4096, "attention_bias": False,
                      "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
-        # 3 heads / 1 KV head of 20 (!= 72 / 3), a window of 8 on layers 0 and 2, caps that bite
-        tiny=dict(hidden_size=72, intermediate_size=136, num_hidden_layers=3, num_attention_heads=3,
-                  num_key_value_heads=1, head_dim=20, vocab_size=512, max_position_embeddings=1024,
-                  sliding_window=8, query_pre_attn_scalar=18, attn_logit_softcapping=4.0,
-                  final_logit_softcapping=8.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                  initializer_range=0.2),
-        tiny_tp=dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                     head_dim=16),
     ),
     Family(
         "gemma3", ("Gemma3ForCausalLM",), "gemma3_text", "hotstart.model.families.gemma3:Gemma3ForCausalLM",
@@ -296,17 +235,6 @@ FAMILIES: tuple[Family, ...] = (
         size_config={"4b": {"sliding_window": 1024, "max_position_embeddings": 131072,
                             "rope_parameters": {**GEMMA3_ROPE, "full_attention": {
                                 "rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}}},
-        # head_dim 24 != 96 / 6, a window of 12 on all but every 3rd layer, linear RoPE on global layers
-        tiny=dict(hidden_size=96, intermediate_size=160, num_hidden_layers=4, num_attention_heads=6,
-                  num_key_value_heads=3, head_dim=24, vocab_size=512, max_position_embeddings=1024,
-                  sliding_window=12, sliding_window_pattern=3, query_pre_attn_scalar=20,
-                  final_logit_softcapping=8.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                  initializer_range=0.2,
-                  rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
-                                                      "rope_theta": 1e6},
-                                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
-        tiny_tp=dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                     head_dim=16),
     ),
 )
 
@@ -343,18 +271,6 @@ PHI_FAMILIES: tuple[Family, ...] = (
         size_config={"phi4-mini": {"partial_rotary_factor": 0.75, "rope_scaling": {
             "type": "longrope", "long_factor": PHI4_LONG, "short_factor": [1.0] * 48}},
             "tiny": {"rope_scaling": None, "max_position_embeddings": 4096}},  # 48 factors fit no tiny head
-        # 6 heads / 2 KV heads of 16, 12 of them rotary; LongRoPE with an original context of 6: prompts
-        # of the reference tests (and benchmarks/gpu_check.py's 8 tokens) take the long factors as
-        # transformers does for them; test_phi_olmo.py serves the short ones too
-        tiny=dict(hidden_size=96, intermediate_size=136, num_hidden_layers=2, num_attention_heads=6,
-                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024,
-                  original_max_position_embeddings=6, partial_rotary_factor=0.75, rms_norm_eps=1e-5,
-                  rope_theta=10000.0, tie_word_embeddings=True, initializer_range=0.2, pad_token_id=0,
-                  bos_token_id=1, eos_token_id=2, sliding_window=None,
-                  rope_scaling={"type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
-                                "long_factor": [1.5, 2.5, 4.0, 7.0, 11.0, 16.0]}),
-        # the fused tensors split per rank: q, k, v (gate, up) row ranges out of one tensor
-        tiny_tp=dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2),
     ),
     Family(
         "olmo2", ("Olmo2ForCausalLM",), "olmo2", "hotstart.model.families.olmo2:Olmo2ForCausalLM",
@@ -367,12 +283,6 @@ PHI_FAMILIES: tuple[Family, ...] = (
                "7b": Shape(4096, 11008, 32, 32, 32, None, False)},
         make_config={"rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "attention_bias": False,
                      "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
-        # 6 heads / 2 KV heads, head_dim 20 != hidden / heads
-        tiny=dict(hidden_size=96, intermediate_size=136, num_hidden_layers=2, num_attention_heads=6,
-                  num_key_value_heads=2, head_dim=20, vocab_size=512, max_position_embeddings=1024,
-                  rms_norm_eps=1e-6, rope_theta=500000.0, tie_word_embeddings=False, initializer_range=0.2,
-                  pad_token_id=0, bos_token_id=1, eos_token_id=2),
-        tiny_tp=dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2),
     ),
 )
 FAMILIES += PHI_FAMILIES
@@ -411,19 +321,6 @@ def planned(architecture: str) -> bool:
 
 def architectures() -> list[str]:
     return [a for f in FAMILIES for a in f.architectures]
-
-
-def tiny_checkpoints() -> dict[str, tuple[str, dict[str, Any]]]:
-    """Test checkpoint name ("qwen2", "qwen2-tp", ...) -> (model_type, transformers config kwargs).
-
-    Deep copies: transformers' config classes rewrite nested dicts they are given (rope_scaling gains
-    the partial_rotary_factor), which would change the table for every later reader."""
-    out = {}
-    for f in FAMILIES:
-        base = {"architectures": [f.architectures[0]], **copy.deepcopy(f.tiny)}
-        out[f.name] = (f.model_type, base)
-        out[f"{f.name}-tp"] = (f.model_type, copy.deepcopy({**base, **f.tiny_tp}))
-    return out
 
 
 def model_table() -> str:

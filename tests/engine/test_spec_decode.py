@@ -16,12 +16,12 @@ from collections import Counter
 from contextlib import contextmanager
 
 import pytest
+from helpers.families import tiny_checkpoints
 
 from hotstart.cli import main as hotstart_main
 from hotstart.config import EngineConfig
 from hotstart.engine.core import EngineCore
 from hotstart.engine.spec_decode import MAX_BACKOFF, NgramSpeculator, SpecState, propose
-from hotstart.families import tiny_checkpoints
 from hotstart.messages import EngineRequest, SamplingParams
 from hotstart.model.files import weight_files
 from hotstart.spec_config import SpecConfig, speculative_config

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import REPO
+from helpers.families import tiny_checkpoints
 
 from hotstart import families
 from hotstart.config import EngineConfig
@@ -23,7 +24,7 @@ from hotstart.model import registry
 from hotstart.model.decoder import CausalLM
 from hotstart.model_config import load_model_config, parse_model_config
 
-TINY = families.tiny_checkpoints()
+TINY = tiny_checkpoints()
 DROP = object()  # a change that removes the field
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.families import tiny_checkpoints
 from helpers.reference import LOGIT_ATOL, greedy, prefill_logits, reference_greedy
 from helpers.server import Server
 from helpers.tp_ranks import executor_for_case, prefill_and_decode, run_two_ranks
@@ -26,7 +27,7 @@ from hotstart.model.moe import SparseMoE
 from hotstart.model_config import parse_model_config
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = families.tiny_checkpoints()
+TINY = tiny_checkpoints()
 MOE = [f.name for f in families.FAMILIES if f.moe is not None]
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.families import tiny_checkpoints
 from helpers.reference import (
     LOGIT_ATOL,
     float32_engine,
@@ -26,7 +27,7 @@ from hotstart.model.loader import load_model
 from hotstart.model.parallel import TensorParallel, divisibility_error
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = families.tiny_checkpoints()
+TINY = tiny_checkpoints()
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
 # (name, tiny family, config changes): yarn on Llama and Qwen2 (with DeepSeek-style mscales)
 VARIANTS = {

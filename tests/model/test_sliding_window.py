@@ -8,9 +8,9 @@ import shutil
 
 import pytest
 import torch
+from helpers.families import tiny_checkpoints
 from helpers.server import Server, openai_client
 
-from hotstart import families
 from hotstart.config import EngineConfig
 from hotstart.engine.core import EngineCore
 from hotstart.engine.sequence import Sequence
@@ -18,7 +18,7 @@ from hotstart.messages import EngineRequest, SamplingParams
 from hotstart.model.files import weight_files
 
 LOGIT_ATOL = 1e-3
-TINY = families.tiny_checkpoints()
+TINY = tiny_checkpoints()
 # (test id, family, changes to its tiny config): windows of 8 - 16, shorter than the prompts
 CASES = {
     "mistral": ("mistral", {}),
