@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-from hotstart import families
+from hotstart.bench import model_sizes as families  # make-model's families and their sizes
 from hotstart.bench.args_engine import MODEL_HELP, add_engine_commands
 from hotstart.bench.args_serving import add_serving_commands
 from hotstart.bench.argtypes import NameAction as _Name

@@ -244,9 +244,12 @@ def test_family_modules_load_lazily(tiny_checkpoint):
 
 
 def test_readme_model_table_is_the_family_table():
+    from hotstart.bench import model_sizes
+
+    assert model_sizes.names() == families.names()  # make-model writes every family
     readme = (REPO / "README.md").read_text()
-    assert families.model_table() in readme, "README.md: paste `python -c 'from hotstart import families; " \
-                                              "print(families.model_table())'` over the model table"
+    assert model_sizes.model_table() in readme, "README.md: paste `python -c 'from hotstart.bench import " \
+        "model_sizes; print(model_sizes.model_table())'` over the model table"
 
 
 def test_cli_refuses_multimodal_gemma3_in_one_line(tiny_checkpoint, default_model_dir, tmp_path):

@@ -171,15 +171,16 @@ def test_make_model_plans_the_tensors_transformers_builds():
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from hotstart.bench import make_model as mm
+    from hotstart.bench import model_sizes
 
     for name in ("phi3", "olmo2"):
-        fam = families.by_name(name)
-        for size, shape in fam.sizes.items():
+        fam, made = families.by_name(name), model_sizes.by_name(name)
+        for size, shape in made.sizes.items():
             hidden, inter, _, heads, kv, _, tied = shape
             raw = {"architectures": [fam.architectures[0]], "model_type": fam.model_type,
                    "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": 2,
-                   "num_attention_heads": heads, "num_key_value_heads": kv, **fam.make_config,
-                   **fam.size_config.get(size, {}),
+                   "num_attention_heads": heads, "num_key_value_heads": kv, **made.config,
+                   **made.size_config.get(size, {}),
                    "tie_word_embeddings": tied, "vocab_size": 1024, "pad_token_id": 0, "eos_token_id": 2}
             plan = {n: s for n, s, _ in mm.tensor_plan(raw)}
             kwargs = {k: v for k, v in raw.items() if k != "model_type"}
