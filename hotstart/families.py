@@ -37,8 +37,10 @@ class Family:
     name: str  # `make-model --family NAME`, ModelConfig.family, test ids
     architectures: tuple[str, ...]  # config.json `architectures[0]` values it serves
     model_type: str  # transformers' model_type (AutoConfig.for_model in tests, make-model's config.json)
-    builder: str  # "module:class" building the model; imported when a model of the family is loaded
     status: str  # the README's model table
+    # "module:class" of a family with a layer of its own (hotstart/model/families/), imported when a model
+    # of it loads; "": the shared CausalLM (model/decoder.py), MoECausalLM (model/moe.py) with experts
+    builder: str = ""
     # -- config.json --
     defaults: dict[str, Any] = field(default_factory=dict)  # field -> value where config.json lacks it
     # Biases: a constant (the modeling code hard-codes it) or the config.json field saying it (absent: False).
@@ -77,33 +79,33 @@ GEMMA_DEFAULTS = {"num_key_value_heads": 4, "head_dim": 256, "hidden_activation"
 
 FAMILIES: tuple[Family, ...] = (
     Family(
-        "llama", ("LlamaForCausalLM",), "llama", "hotstart.model.families.llama:LlamaForCausalLM",
+        "llama", ("LlamaForCausalLM",), "llama",
         "supported: Llama 2 / 3.x, SmolLM2 (RoPE default, linear, llama3, dynamic, yarn)",
         defaults={"max_position_embeddings": 2048},
         qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias="mlp_bias",
     ),
     Family(
-        "qwen2", ("Qwen2ForCausalLM",), "qwen2", "hotstart.model.families.qwen2:Qwen2ForCausalLM",
+        "qwen2", ("Qwen2ForCausalLM",), "qwen2",
         "supported: Qwen2, Qwen2.5 (`use_sliding_window`: windowed from layer `max_window_layers` on)",
         defaults={"max_position_embeddings": 32768, "num_key_value_heads": 32, "sliding_window": 4096,
                   "max_window_layers": 28},
         qkv_bias=True, sliding_window="opt-in",
     ),
     Family(
-        "qwen3", ("Qwen3ForCausalLM",), "qwen3", "hotstart.model.families.qwen3:Qwen3ForCausalLM",
+        "qwen3", ("Qwen3ForCausalLM",), "qwen3",
         "supported: Qwen3 (dense; with `use_sliding_window`: windowed layers as `layer_types` says)",
         defaults={"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128,
                   "sliding_window": 4096, "max_window_layers": 28},
         qkv_bias="attention_bias", o_bias="attention_bias", qk_norm=True, sliding_window="opt-in",
     ),
     Family(
-        "mistral", ("MistralForCausalLM",), "mistral", "hotstart.model.families.llama:LlamaForCausalLM",
+        "mistral", ("MistralForCausalLM",), "mistral",
         "supported: Mistral 7B v0.1 - v0.3 (`sliding_window` on every layer, or null)",
         defaults={"max_position_embeddings": 131072, "num_key_value_heads": 8, "sliding_window": 4096},
         sliding_window="always",
     ),
     Family(
-        "mixtral", ("MixtralForCausalLM",), "mixtral", "hotstart.model.families.mixtral:MixtralForCausalLM",
+        "mixtral", ("MixtralForCausalLM",), "mixtral",
         "supported: Mixtral 8x7B / 8x22B (`sliding_window` on every layer, or null)",
         defaults={"max_position_embeddings": 131072, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
                   "num_local_experts": 8, "num_experts_per_tok": 2},
@@ -112,7 +114,6 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "qwen2-moe", ("Qwen2MoeForCausalLM",), "qwen2_moe",
-        "hotstart.model.families.qwen2_moe:Qwen2MoeForCausalLM",
         "supported: Qwen1.5-MoE, Qwen2-MoE (routed and sigmoid-gated shared experts; `use_sliding_window`: "
         "windowed layers as `layer_types` says)",
         defaults={"max_position_embeddings": 32768, "num_key_value_heads": 16, "qkv_bias": True,
@@ -123,7 +124,6 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "qwen3-moe", ("Qwen3MoeForCausalLM",), "qwen3_moe",
-        "hotstart.model.families.qwen3_moe:Qwen3MoeForCausalLM",
         "supported: Qwen3-MoE (30B-A3B, 235B-A22B; `use_sliding_window`: every layer windowed)",
         defaults={"max_position_embeddings": 32768, "num_key_value_heads": 4, "num_experts": 128,
                   "num_experts_per_tok": 8, "moe_intermediate_size": 768},
@@ -131,8 +131,9 @@ FAMILIES: tuple[Family, ...] = (
         moe=Moe(*QWEN_MOE_NAMES, sparse_step=True),
     ),
     Family(
-        "gemma2", ("Gemma2ForCausalLM",), "gemma2", "hotstart.model.families.gemma2:Gemma2ForCausalLM",
+        "gemma2", ("Gemma2ForCausalLM",), "gemma2",
         "supported: Gemma 2 (sliding window on alternate layers, logit soft-capping)",
+        builder="hotstart.model.families.gemma2:Gemma2ForCausalLM",
         defaults={**GEMMA_DEFAULTS, "max_position_embeddings": 8192, "sliding_window_pattern": 2,
                   "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
         qkv_bias="attention_bias", o_bias="attention_bias", sliding_window="pattern",
@@ -140,21 +141,20 @@ FAMILIES: tuple[Family, ...] = (
         softcaps=("attn_logit_softcapping", "final_logit_softcapping"), layer_norms=GEMMA_NORMS,
     ),
     Family(
-        "gemma3", ("Gemma3ForCausalLM",), "gemma3_text", "hotstart.model.families.gemma3:Gemma3ForCausalLM",
+        "gemma3", ("Gemma3ForCausalLM",), "gemma3_text",
         "supported: Gemma 3 text-only (`Gemma3ForCausalLM`: 5 sliding layers to 1 global, local RoPE)",
+        builder="hotstart.model.families.gemma3:Gemma3ForCausalLM",
         defaults={**GEMMA_DEFAULTS, "max_position_embeddings": 131072, "sliding_window_pattern": 6,
                   "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0},
         qkv_bias="attention_bias", o_bias="attention_bias", qk_norm=True, sliding_window="pattern",
         activation="hidden_activation", query_scalar=True, softcaps=("final_logit_softcapping",),
         local_rope=True, layer_norms=GEMMA_NORMS,
     ),
-)
-
-PHI_FAMILIES: tuple[Family, ...] = (
     Family(
-        "phi3", ("Phi3ForCausalLM",), "phi3", "hotstart.model.families.phi3:Phi3ForCausalLM",
+        "phi3", ("Phi3ForCausalLM",), "phi3",
         "supported: Phi-3, Phi-3.5, Phi-4-mini (fused qkv / gate_up, LongRoPE, partial rotary; "
         "`sliding_window` on every layer)",
+        builder="hotstart.model.families.phi3:Phi3ForCausalLM",
         defaults={"max_position_embeddings": 4096, "original_max_position_embeddings": 4096,
                   "rms_norm_eps": 1e-5},
         sliding_window="always", fused_checkpoint=True, partial_rotary=True,
@@ -162,19 +162,14 @@ PHI_FAMILIES: tuple[Family, ...] = (
         rope_aliases={"su": "longrope", "yarn": "longrope"},
     ),
     Family(
-        "olmo2", ("Olmo2ForCausalLM",), "olmo2", "hotstart.model.families.olmo2:Olmo2ForCausalLM",
+        "olmo2", ("Olmo2ForCausalLM",), "olmo2",
         "supported: OLMo 2 (post-norm, q/k norm over the whole projection; tensor parallel refused)",
+        builder="hotstart.model.families.olmo2:Olmo2ForCausalLM",
         defaults={"max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
         qkv_bias="attention_bias", o_bias="attention_bias", qk_norm="full", post_norm=True,
         tensor_parallel="OLMo 2's q/k RMSNorm spans the heads of every rank (not implemented)",
     ),
 )
-FAMILIES += PHI_FAMILIES
-
-# Architectures refused today with "not supported yet": the families the next issue adds.
-PLANNED: tuple[tuple[str, tuple[str, ...]], ...] = (
-)
-
 
 # Architectures refused for good, with the reason.
 REFUSED: dict[str, str] = {
@@ -197,10 +192,6 @@ def by_name(name: str) -> Family:
 def for_architecture(architecture: str) -> Family | None:
     """The family serving ARCHITECTURE (config.json's architectures[0]), or None."""
     return next((f for f in FAMILIES if architecture in f.architectures), None)
-
-
-def planned(architecture: str) -> bool:
-    return any(architecture in archs for _, archs in PLANNED)
 
 
 def architectures() -> list[str]:

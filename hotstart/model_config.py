@@ -317,9 +317,6 @@ def _family(raw: dict, src: Path) -> tuple[str, families.Family]:
         raise ModelConfigError(f"{src}: architecture '{arch}' is not supported: {families.REFUSED[arch]}")
     if fam is None:
         supported = ", ".join(families.architectures())
-        if families.planned(arch):
-            raise ModelConfigError(f"{src}: architecture '{arch}' is not supported yet "
-                                   f"(supported: {supported})")
         raise ModelConfigError(f"{src}: unknown architecture '{arch}' (supported: {supported})")
     return arch, fam
 

@@ -1,5 +1,5 @@
 """Blocks shared by every model family: linear layers, RMSNorm, rotary embedding, paged attention, gated
-MLP, and the pre-norm decoder layer the families build from them (hotstart/model/families/). What differs
+MLP, and the pre-norm decoder layer (the shared one; hotstart/model/families/ builds the others). What differs
 between families is a ModelConfig flag (hotstart/families.py), read here; no block names a family.
 
 Tokens of all sequences in a step are flattened into one batch dimension T (varlen, like vLLM):
