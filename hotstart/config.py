@@ -19,7 +19,8 @@ from hotstart.flags import (
     seconds,
     values,
 )
-from hotstart.model_config import ModelConfig, RopeConfig, load_model_config
+from hotstart.model_config import ModelConfig, load_model_config
+from hotstart.rope_config import RopeConfig
 from hotstart.spec_config import speculative_config
 
 __all__ = ["EngineConfig", "ModelConfig", "RopeConfig", "ServeConfig", "load_model_config", "serial_baseline"]

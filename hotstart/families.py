@@ -1,16 +1,18 @@
 """Every model family hotstart knows, in one torch-free table: the architectures it answers to, how its
 config.json is read (as transformers' modeling code reads it) and the module that builds it.
 
-Readers: model_config.py (flags and defaults), model/registry.py (the builder, imported lazily),
-bench/make_model.py (the checkpoint's names). A new family is one entry here, its make-model sizes
-(hotstart/bench/model_sizes.py, whose model_table() is the README's table), a tiny odd-shaped config the
-tests compare against transformers (tests/helpers/families.py) and, where its layer differs from the
-shared one, a small file in hotstart/model/families/.
+Readers: model_config.py (flags and defaults; rope_config.py and sliding_window.py for theirs),
+model/registry.py (the builder, imported lazily), bench/make_model.py (the checkpoint's names). A new
+family is one entry here, its make-model sizes (hotstart/bench/model_sizes.py, whose model_table() is
+the README's table), a tiny odd-shaped config the tests compare against transformers
+(tests/helpers/families.py) and, where its layer differs from the shared one, a small file in
+hotstart/model/families/.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum, auto
 from typing import Any, NamedTuple
 
 
@@ -25,6 +27,18 @@ class Moe(NamedTuple):
     norm_topk: bool | str  # renormalise the top-k weights: a constant, or the config.json field saying it
     shared_expert: bool = False  # Qwen2-MoE: a sigmoid-gated shared expert beside the routed ones
     sparse_step: bool = False  # reads `decoder_sparse_step` and `mlp_only_layers` (dense layers among MoE)
+
+
+class Window(Enum):
+    """How a family's code reads the attention window (hotstart/sliding_window.py: one rule each)."""
+
+    NONE = auto()  # never: full attention whatever the file says
+    ALWAYS = auto()  # `sliding_window` on every layer (null: full)
+    # the OPT_IN ones only with `use_sliding_window: true`
+    OPT_IN = auto()  # `layer_types`, else the layers from `max_window_layers` on (Qwen2, Qwen3)
+    OPT_IN_ALL = auto()  # every layer (Qwen3-MoE)
+    OPT_IN_EVEN = auto()  # `layer_types`, else the even layers below `max_window_layers` (Qwen2-MoE)
+    PATTERN = auto()  # `layer_types`, else all but every `sliding_window_pattern`-th layer (Gemma)
 
 
 QWEN_MOE_NAMES = ("mlp", "gate_proj", "up_proj", "down_proj", "moe_intermediate_size", "norm_topk_prob")
@@ -54,13 +68,7 @@ class Family:
     partial_rotary: bool = False  # its code reads `partial_rotary_factor` (others refuse one below 1)
     rope_aliases: dict[str, str] = field(default_factory=dict)  # rope type in config.json -> as read
     tensor_parallel: str = ""  # not empty: why --tensor-parallel-size above 1 is refused
-    # How the attention window is read. "none": never (full attention whatever the file says);
-    # "always": `sliding_window` (null: full); "opt-in": only with `use_sliding_window: true`, on the layers
-    # `layer_types` names "sliding_attention" (absent: layers from `max_window_layers` on); "opt-in-all":
-    # with `use_sliding_window: true`, every layer (Qwen3-MoE); "opt-in-even": with `use_sliding_window:
-    # true`, the `layer_types` ones (absent: the even layers below `max_window_layers`, Qwen2-MoE);
-    # "pattern": the `layer_types` ones (absent: all but every `sliding_window_pattern`-th layer, Gemma).
-    sliding_window: str = "none"
+    sliding_window: Window = Window.NONE  # how the attention window is read
     moe: Moe | None = None  # a mixture of experts (hotstart/model/moe.py); None: dense MLPs
     # -- Gemma's differences (the defaults: none of them) --
     activation: str = "hidden_act"  # the config.json field naming the MLP's activation
@@ -89,27 +97,27 @@ FAMILIES: tuple[Family, ...] = (
         "supported: Qwen2, Qwen2.5 (`use_sliding_window`: windowed from layer `max_window_layers` on)",
         defaults={"max_position_embeddings": 32768, "num_key_value_heads": 32, "sliding_window": 4096,
                   "max_window_layers": 28},
-        qkv_bias=True, sliding_window="opt-in",
+        qkv_bias=True, sliding_window=Window.OPT_IN,
     ),
     Family(
         "qwen3", ("Qwen3ForCausalLM",), "qwen3",
         "supported: Qwen3 (dense; with `use_sliding_window`: windowed layers as `layer_types` says)",
         defaults={"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128,
                   "sliding_window": 4096, "max_window_layers": 28},
-        qkv_bias="attention_bias", o_bias="attention_bias", qk_norm=True, sliding_window="opt-in",
+        qkv_bias="attention_bias", o_bias="attention_bias", qk_norm=True, sliding_window=Window.OPT_IN,
     ),
     Family(
         "mistral", ("MistralForCausalLM",), "mistral",
         "supported: Mistral 7B v0.1 - v0.3 (`sliding_window` on every layer, or null)",
         defaults={"max_position_embeddings": 131072, "num_key_value_heads": 8, "sliding_window": 4096},
-        sliding_window="always",
+        sliding_window=Window.ALWAYS,
     ),
     Family(
         "mixtral", ("MixtralForCausalLM",), "mixtral",
         "supported: Mixtral 8x7B / 8x22B (`sliding_window` on every layer, or null)",
         defaults={"max_position_embeddings": 131072, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
                   "num_local_experts": 8, "num_experts_per_tok": 2},
-        sliding_window="always",
+        sliding_window=Window.ALWAYS,
         moe=Moe("block_sparse_moe", "w1", "w3", "w2", "intermediate_size", norm_topk=True),
     ),
     Family(
@@ -119,7 +127,7 @@ FAMILIES: tuple[Family, ...] = (
         defaults={"max_position_embeddings": 32768, "num_key_value_heads": 16, "qkv_bias": True,
                   "num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
                   "shared_expert_intermediate_size": 5632, "max_window_layers": 28},
-        qkv_bias="qkv_bias", sliding_window="opt-in-even",
+        qkv_bias="qkv_bias", sliding_window=Window.OPT_IN_EVEN,
         moe=Moe(*QWEN_MOE_NAMES, shared_expert=True, sparse_step=True),
     ),
     Family(
@@ -127,7 +135,7 @@ FAMILIES: tuple[Family, ...] = (
         "supported: Qwen3-MoE (30B-A3B, 235B-A22B; `use_sliding_window`: every layer windowed)",
         defaults={"max_position_embeddings": 32768, "num_key_value_heads": 4, "num_experts": 128,
                   "num_experts_per_tok": 8, "moe_intermediate_size": 768},
-        qkv_bias="attention_bias", o_bias="attention_bias", qk_norm=True, sliding_window="opt-in-all",
+        qkv_bias="attention_bias", o_bias="attention_bias", qk_norm=True, sliding_window=Window.OPT_IN_ALL,
         moe=Moe(*QWEN_MOE_NAMES, sparse_step=True),
     ),
     Family(
@@ -136,7 +144,7 @@ FAMILIES: tuple[Family, ...] = (
         builder="hotstart.model.families.gemma2:Gemma2ForCausalLM",
         defaults={**GEMMA_DEFAULTS, "max_position_embeddings": 8192, "sliding_window_pattern": 2,
                   "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
-        qkv_bias="attention_bias", o_bias="attention_bias", sliding_window="pattern",
+        qkv_bias="attention_bias", o_bias="attention_bias", sliding_window=Window.PATTERN,
         activation="hidden_activation", query_scalar=True,
         softcaps=("attn_logit_softcapping", "final_logit_softcapping"), layer_norms=GEMMA_NORMS,
     ),
@@ -146,7 +154,7 @@ FAMILIES: tuple[Family, ...] = (
         builder="hotstart.model.families.gemma3:Gemma3ForCausalLM",
         defaults={**GEMMA_DEFAULTS, "max_position_embeddings": 131072, "sliding_window_pattern": 6,
                   "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0},
-        qkv_bias="attention_bias", o_bias="attention_bias", qk_norm=True, sliding_window="pattern",
+        qkv_bias="attention_bias", o_bias="attention_bias", qk_norm=True, sliding_window=Window.PATTERN,
         activation="hidden_activation", query_scalar=True, softcaps=("final_logit_softcapping",),
         local_rope=True, layer_norms=GEMMA_NORMS,
     ),
@@ -157,7 +165,7 @@ FAMILIES: tuple[Family, ...] = (
         builder="hotstart.model.families.phi3:Phi3ForCausalLM",
         defaults={"max_position_embeddings": 4096, "original_max_position_embeddings": 4096,
                   "rms_norm_eps": 1e-5},
-        sliding_window="always", fused_checkpoint=True, partial_rotary=True,
+        sliding_window=Window.ALWAYS, fused_checkpoint=True, partial_rotary=True,
         # transformers' Phi3Config reads the old names "su" and "yarn" as longrope
         rope_aliases={"su": "longrope", "yarn": "longrope"},
     ),

@@ -14,7 +14,8 @@ from torch import nn
 
 from hotstart.model import cpu_kernels, onednn, rope
 from hotstart.model.attention import AttnMetadata, paged_attention
-from hotstart.model_config import ModelConfig, RopeConfig
+from hotstart.model_config import ModelConfig
+from hotstart.rope_config import RopeConfig
 
 # What a compiled layer graph computes with its inputs (engine/fastpath/cache.py keys packages by it): bump
 # it when a layer's math or the meaning of its inputs changes (2: RoPE's sin table holds rotate_half's sign).

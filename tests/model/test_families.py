@@ -230,6 +230,13 @@ def test_every_family_has_a_builder_and_odd_test_shapes():
         assert all(tp[k] % 2 == 0 for k in halves), tp
 
 
+def test_every_window_mode_has_one_rule():
+    from hotstart import sliding_window
+
+    assert set(sliding_window.RULES) == set(families.Window) - {families.Window.NONE}
+    assert {f.sliding_window for f in families.FAMILIES} == set(families.Window)  # each mode is used
+
+
 def test_family_modules_load_lazily(tiny_checkpoint):
     """A Qwen3 checkpoint (the shared layer) imports no family module; a Gemma 2 one gemma2's alone."""
     code = ("import sys; from hotstart.model import loader, registry; "
