@@ -37,6 +37,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(1, str(REPO / "tests"))  # the tests' helpers package: run from a whole checkout
+from helpers.families import tiny_checkpoints  # noqa: E402
+
 from hotstart import families  # noqa: E402
 from hotstart.bench import evict as ev  # noqa: E402
 from hotstart.bench.process import RunFailed, Server, free_port  # noqa: E402
@@ -117,8 +120,8 @@ class Check:
 
         dev, out = self.args.device, {}
         prompt = [3, 17, 42, 99, 7, 250, 11, 64]
-        for family in families.names():  # the tests' odd-shaped tiny configs (hotstart/families.py)
-            model_type, kw = families.tiny_checkpoints()[family]
+        for family in families.names():  # the tests' odd-shaped tiny configs (tests/helpers/families.py)
+            model_type, kw = tiny_checkpoints()[family]
             folder = self.work / f"tiny-{family}"
             if not (folder / "config.json").is_file():
                 torch.manual_seed(0)

@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     zs.add_argument(
         "--foreground", action="store_true", help="run it in this process (for a service manager)"
     )
+    zs.add_argument("--no-watch", action="store_true",
+                    help="keep it when hotstart's or torch's files change on disk (default: it restarts "
+                         "itself once idle; servers bypass it meanwhile)")
     zsub.add_parser(
         "stop", help="stop it and every engine it forked (their servers fall back to a local forkserver)"
     )

@@ -7,7 +7,6 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any
 
-from hotstart.engine.spec_config import speculative_config
 from hotstart.flags import (
     at_least_one,
     bucket_list,
@@ -20,7 +19,9 @@ from hotstart.flags import (
     seconds,
     values,
 )
-from hotstart.model_config import ModelConfig, RopeConfig, load_model_config
+from hotstart.model_config import ModelConfig, load_model_config
+from hotstart.rope_config import RopeConfig
+from hotstart.spec_config import speculative_config
 
 __all__ = ["EngineConfig", "ModelConfig", "RopeConfig", "ServeConfig", "load_model_config", "serial_baseline"]
 

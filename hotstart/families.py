@@ -1,30 +1,19 @@
 """Every model family hotstart knows, in one torch-free table: the architectures it answers to, how its
-config.json is read (as transformers' modeling code reads it), the module that builds it, the real shapes
-`hotstart make-model` writes, and the tiny odd-shaped checkpoints the tests compare against transformers.
+config.json is read (as transformers' modeling code reads it) and the module that builds it.
 
-Readers: model_config.py (flags and defaults), model/registry.py (the builder, imported lazily),
-bench/make_model.py and bench/args.py (sizes), tests/conftest.py and benchmarks/gpu_check.py (tiny
-configs); the README's model table is model_table()'s output (a test checks). A new family is one entry
-here and one small file in hotstart/model/families/.
+Readers: model_config.py (flags and defaults; rope_config.py and sliding_window.py for theirs),
+model/registry.py (the builder, imported lazily), bench/make_model.py (the checkpoint's names). A new
+family is one entry here, its make-model sizes (hotstart/bench/model_sizes.py, whose model_table() is
+the README's table), a tiny odd-shaped config the tests compare against transformers
+(tests/helpers/families.py) and, where its layer differs from the shared one, a small file in
+hotstart/model/families/.
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
+from enum import Enum, auto
 from typing import Any, NamedTuple
-
-
-class Shape(NamedTuple):
-    """A checkpoint's dimensions, as its published config.json gives them."""
-
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int | None  # None: hidden // heads
-    tied: bool
 
 
 class Moe(NamedTuple):
@@ -40,6 +29,18 @@ class Moe(NamedTuple):
     sparse_step: bool = False  # reads `decoder_sparse_step` and `mlp_only_layers` (dense layers among MoE)
 
 
+class Window(Enum):
+    """How a family's code reads the attention window (hotstart/sliding_window.py: one rule each)."""
+
+    NONE = auto()  # never: full attention whatever the file says
+    ALWAYS = auto()  # `sliding_window` on every layer (null: full)
+    # the OPT_IN ones only with `use_sliding_window: true`
+    OPT_IN = auto()  # `layer_types`, else the layers from `max_window_layers` on (Qwen2, Qwen3)
+    OPT_IN_ALL = auto()  # every layer (Qwen3-MoE)
+    OPT_IN_EVEN = auto()  # `layer_types`, else the even layers below `max_window_layers` (Qwen2-MoE)
+    PATTERN = auto()  # `layer_types`, else all but every `sliding_window_pattern`-th layer (Gemma)
+
+
 QWEN_MOE_NAMES = ("mlp", "gate_proj", "up_proj", "down_proj", "moe_intermediate_size", "norm_topk_prob")
 
 
@@ -50,8 +51,10 @@ class Family:
     name: str  # `make-model --family NAME`, ModelConfig.family, test ids
     architectures: tuple[str, ...]  # config.json `architectures[0]` values it serves
     model_type: str  # transformers' model_type (AutoConfig.for_model in tests, make-model's config.json)
-    builder: str  # "module:class" building the model; imported when a model of the family is loaded
     status: str  # the README's model table
+    # "module:class" of a family with a layer of its own (hotstart/model/families/), imported when a model
+    # of it loads; "": the shared CausalLM (model/decoder.py), MoECausalLM (model/moe.py) with experts
+    builder: str = ""
     # -- config.json --
     defaults: dict[str, Any] = field(default_factory=dict)  # field -> value where config.json lacks it
     # Biases: a constant (the modeling code hard-codes it) or the config.json field saying it (absent: False).
@@ -65,13 +68,7 @@ class Family:
     partial_rotary: bool = False  # its code reads `partial_rotary_factor` (others refuse one below 1)
     rope_aliases: dict[str, str] = field(default_factory=dict)  # rope type in config.json -> as read
     tensor_parallel: str = ""  # not empty: why --tensor-parallel-size above 1 is refused
-    # How the attention window is read. "none": never (full attention whatever the file says);
-    # "always": `sliding_window` (null: full); "opt-in": only with `use_sliding_window: true`, on the layers
-    # `layer_types` names "sliding_attention" (absent: layers from `max_window_layers` on); "opt-in-all":
-    # with `use_sliding_window: true`, every layer (Qwen3-MoE); "opt-in-even": with `use_sliding_window:
-    # true`, the `layer_types` ones (absent: the even layers below `max_window_layers`, Qwen2-MoE);
-    # "pattern": the `layer_types` ones (absent: all but every `sliding_window_pattern`-th layer, Gemma).
-    sliding_window: str = "none"
+    sliding_window: Window = Window.NONE  # how the attention window is read
     moe: Moe | None = None  # a mixture of experts (hotstart/model/moe.py); None: dense MLPs
     # -- Gemma's differences (the defaults: none of them) --
     activation: str = "hidden_act"  # the config.json field naming the MLP's activation
@@ -80,307 +77,107 @@ class Family:
     local_rope: bool = False  # the sliding layers have their own RoPE (`rope_local_base_freq`)
     # RMSNorms of each decoder layer (make-model writes them)
     layer_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
-    # -- hotstart make-model --
-    sizes: dict[str, Shape] = field(default_factory=dict)
-    make_config: dict[str, Any] = field(default_factory=dict)  # config.json fields beside the shape
-    size_config: dict[str, dict[str, Any]] = field(default_factory=dict)  # per size: changes to make_config
-    # -- tests (transformers config kwargs) --
-    tiny: dict[str, Any] = field(default_factory=dict)  # odd shapes on purpose
-    tiny_tp: dict[str, Any] = field(default_factory=dict)  # changes to tiny: heads and MLP divisible by 2
 
 
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-ROPE_1M = {"rope_type": "default", "rope_theta": 1000000.0}
 GEMMA_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                "post_feedforward_layernorm")
-# Gemma 3: one RoPE per layer type (transformers >= 5 writes them so)
-GEMMA3_ROPE = {"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
-               "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
 GEMMA_DEFAULTS = {"num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
                   "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "query_pre_attn_scalar": 256,
                   "sliding_window": 4096}
-# `make-model --size tiny` (any family): 4 heads / 2 KV heads of 32
-MAKE_TINY = Shape(128, 384, 2, 4, 2, 32, True)
 
 FAMILIES: tuple[Family, ...] = (
     Family(
-        "llama", ("LlamaForCausalLM",), "llama", "hotstart.model.families.llama:LlamaForCausalLM",
+        "llama", ("LlamaForCausalLM",), "llama",
         "supported: Llama 2 / 3.x, SmolLM2 (RoPE default, linear, llama3, dynamic, yarn)",
         defaults={"max_position_embeddings": 2048},
         qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias="mlp_bias",
-        # Llama-3.2-1B / 3B, Llama-3-8B (which has no RoPE scaling and an 8k context: Llama-3.1 added them)
-        sizes={"1b": Shape(2048, 8192, 16, 32, 8, 64, True), "3b": Shape(3072, 8192, 28, 24, 8, 128, True),
-               "8b": Shape(4096, 14336, 32, 32, 8, 128, False)},
-        make_config={"rms_norm_eps": 1e-5, "rope_parameters": LLAMA3_ROPE, "max_position_embeddings": 131072,
-                     "attention_bias": False, "mlp_bias": False},
-        size_config={"8b": {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
-                            "max_position_embeddings": 8192}},
-        # 5 heads / 1 KV head, llama3 RoPE scaling with a short original context
-        tiny=dict(hidden_size=80, intermediate_size=144, num_hidden_layers=2, num_attention_heads=5,
-                  num_key_value_heads=1, vocab_size=512, max_position_embeddings=1024, rms_norm_eps=1e-5,
-                  tie_word_embeddings=False, initializer_range=0.2, rope_theta=500000.0,
-                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                "high_freq_factor": 4.0, "original_max_position_embeddings": 128}),
-        # attention and MLP biases: the row-parallel layers add theirs after the all-reduce
-        tiny_tp=dict(hidden_size=64, intermediate_size=112, num_attention_heads=4, num_key_value_heads=2,
-                     attention_bias=True, mlp_bias=True),
     ),
     Family(
-        "qwen2", ("Qwen2ForCausalLM",), "qwen2", "hotstart.model.families.qwen2:Qwen2ForCausalLM",
+        "qwen2", ("Qwen2ForCausalLM",), "qwen2",
         "supported: Qwen2, Qwen2.5 (`use_sliding_window`: windowed from layer `max_window_layers` on)",
         defaults={"max_position_embeddings": 32768, "num_key_value_heads": 32, "sliding_window": 4096,
                   "max_window_layers": 28},
-        qkv_bias=True, sliding_window="opt-in",
-        # Qwen2.5-0.5B / 1.5B / 3B / 7B
-        sizes={"0.5b": Shape(896, 4864, 24, 14, 2, None, True),
-               "1.5b": Shape(1536, 8960, 28, 12, 2, None, True),
-               "3b": Shape(2048, 11008, 36, 16, 2, None, True),
-               "7b": Shape(3584, 18944, 28, 28, 4, None, False)},
-        make_config={"rms_norm_eps": 1e-6, "rope_parameters": ROPE_1M, "max_position_embeddings": 32768,
-                     "use_sliding_window": False, "sliding_window": None},
-        # 6 heads / 3 KV heads, q/k/v biases
-        tiny=dict(hidden_size=96, intermediate_size=200, num_hidden_layers=3, num_attention_heads=6,
-                  num_key_value_heads=3, vocab_size=512, max_position_embeddings=1024, rope_theta=10000.0,
-                  rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.2),
-        tiny_tp=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2),
+        qkv_bias=True, sliding_window=Window.OPT_IN,
     ),
     Family(
-        "qwen3", ("Qwen3ForCausalLM",), "qwen3", "hotstart.model.families.qwen3:Qwen3ForCausalLM",
+        "qwen3", ("Qwen3ForCausalLM",), "qwen3",
         "supported: Qwen3 (dense; with `use_sliding_window`: windowed layers as `layer_types` says)",
         defaults={"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128,
                   "sliding_window": 4096, "max_window_layers": 28},
-        qkv_bias="attention_bias", o_bias="attention_bias", qk_norm=True, sliding_window="opt-in",
-        # Qwen3-0.6B / 1.7B / 4B / 8B
-        sizes={"0.6b": Shape(1024, 3072, 28, 16, 8, 128, True),
-               "1.7b": Shape(2048, 6144, 28, 16, 8, 128, True),
-               "4b": Shape(2560, 9728, 36, 32, 8, 128, True),
-               "8b": Shape(4096, 12288, 36, 32, 8, 128, False)},
-        make_config={"rms_norm_eps": 1e-6, "rope_parameters": ROPE_1M, "max_position_embeddings": 40960,
-                     "attention_bias": False, "use_sliding_window": False, "sliding_window": None},
-        # head_dim 24 != hidden / heads, tied embeddings
-        tiny=dict(hidden_size=96, intermediate_size=160, num_hidden_layers=3, num_attention_heads=6,
-                  num_key_value_heads=3, head_dim=24, vocab_size=512, max_position_embeddings=1024,
-                  rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.2),
-        # an odd vocabulary: the last rank's vocabulary shard is shorter
-        tiny_tp=dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, head_dim=24, vocab_size=509),
+        qkv_bias="attention_bias", o_bias="attention_bias", qk_norm=True, sliding_window=Window.OPT_IN,
     ),
     Family(
-        "mistral", ("MistralForCausalLM",), "mistral", "hotstart.model.families.llama:LlamaForCausalLM",
+        "mistral", ("MistralForCausalLM",), "mistral",
         "supported: Mistral 7B v0.1 - v0.3 (`sliding_window` on every layer, or null)",
         defaults={"max_position_embeddings": 131072, "num_key_value_heads": 8, "sliding_window": 4096},
-        sliding_window="always",
-        # Mistral-7B-v0.3 (no sliding window)
-        sizes={"7b": Shape(4096, 14336, 32, 32, 8, 128, False)},
-        make_config={"rms_norm_eps": 1e-5, "rope_parameters": ROPE_1M, "max_position_embeddings": 32768,
-                     "sliding_window": None},
-        # head_dim 20 != hidden / heads; a window of 16, shorter than the test prompts
-        tiny=dict(hidden_size=96, intermediate_size=136, num_hidden_layers=2, num_attention_heads=6,
-                  num_key_value_heads=2, head_dim=20, vocab_size=512, max_position_embeddings=1024,
-                  sliding_window=16, rope_theta=1000000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                  initializer_range=0.2),
-        tiny_tp=dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2),
+        sliding_window=Window.ALWAYS,
     ),
     Family(
-        "mixtral", ("MixtralForCausalLM",), "mixtral", "hotstart.model.families.mixtral:MixtralForCausalLM",
+        "mixtral", ("MixtralForCausalLM",), "mixtral",
         "supported: Mixtral 8x7B / 8x22B (`sliding_window` on every layer, or null)",
         defaults={"max_position_embeddings": 131072, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
                   "num_local_experts": 8, "num_experts_per_tok": 2},
-        sliding_window="always",
+        sliding_window=Window.ALWAYS,
         moe=Moe("block_sparse_moe", "w1", "w3", "w2", "intermediate_size", norm_topk=True),
-        # Mixtral-8x7B-v0.1: 8 experts of 14336, 2 per token
-        sizes={"8x7b": Shape(4096, 14336, 32, 32, 8, 128, False)},
-        make_config={"rms_norm_eps": 1e-5, "rope_parameters": ROPE_1M, "max_position_embeddings": 32768,
-                     "sliding_window": None, "num_local_experts": 8, "num_experts_per_tok": 2},
-        size_config={"tiny": {"num_local_experts": 4}},
-        # 5 heads / 1 KV head; 5 experts, 3 per token (not a multiple)
-        tiny=dict(hidden_size=80, intermediate_size=48, num_hidden_layers=2, num_attention_heads=5,
-                  num_key_value_heads=1, vocab_size=512, max_position_embeddings=1024, rms_norm_eps=1e-5,
-                  num_local_experts=5, num_experts_per_tok=3, rope_theta=1000000.0, tie_word_embeddings=False,
-                  initializer_range=0.2),
-        tiny_tp=dict(hidden_size=64, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2),
     ),
     Family(
         "qwen2-moe", ("Qwen2MoeForCausalLM",), "qwen2_moe",
-        "hotstart.model.families.qwen2_moe:Qwen2MoeForCausalLM",
         "supported: Qwen1.5-MoE, Qwen2-MoE (routed and sigmoid-gated shared experts; `use_sliding_window`: "
         "windowed layers as `layer_types` says)",
         defaults={"max_position_embeddings": 32768, "num_key_value_heads": 16, "qkv_bias": True,
                   "num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
                   "shared_expert_intermediate_size": 5632, "max_window_layers": 28},
-        qkv_bias="qkv_bias", sliding_window="opt-in-even",
+        qkv_bias="qkv_bias", sliding_window=Window.OPT_IN_EVEN,
         moe=Moe(*QWEN_MOE_NAMES, shared_expert=True, sparse_step=True),
-        # Qwen1.5-MoE-A2.7B: 60 experts of 1408, 4 per token, a shared expert of 5632
-        sizes={"14b-a2.7b": Shape(2048, 5632, 24, 16, 16, None, False)},
-        make_config={"rms_norm_eps": 1e-6, "rope_parameters": ROPE_1M, "max_position_embeddings": 8192,
-                     "use_sliding_window": False, "qkv_bias": True, "num_experts": 60,
-                     "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
-                     "shared_expert_intermediate_size": 5632, "norm_topk_prob": False,
-                     "decoder_sparse_step": 1, "mlp_only_layers": []},
-        size_config={"tiny": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 96,
-                              "shared_expert_intermediate_size": 192}},
-        # 6 heads / 3 KV heads; 5 experts, 3 per token; layer 1 dense (`mlp_only_layers`)
-        tiny=dict(hidden_size=96, intermediate_size=72, num_hidden_layers=4, num_attention_heads=6,
-                  num_key_value_heads=3, vocab_size=512, max_position_embeddings=1024, rope_theta=10000.0,
-                  rms_norm_eps=1e-6, num_experts=5, num_experts_per_tok=3, moe_intermediate_size=40,
-                  shared_expert_intermediate_size=56, norm_topk_prob=False, mlp_only_layers=[1],
-                  tie_word_embeddings=False, initializer_range=0.2),
-        tiny_tp=dict(hidden_size=64, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                     num_key_value_heads=2, moe_intermediate_size=32, shared_expert_intermediate_size=48),
     ),
     Family(
         "qwen3-moe", ("Qwen3MoeForCausalLM",), "qwen3_moe",
-        "hotstart.model.families.qwen3_moe:Qwen3MoeForCausalLM",
         "supported: Qwen3-MoE (30B-A3B, 235B-A22B; `use_sliding_window`: every layer windowed)",
         defaults={"max_position_embeddings": 32768, "num_key_value_heads": 4, "num_experts": 128,
                   "num_experts_per_tok": 8, "moe_intermediate_size": 768},
-        qkv_bias="attention_bias", o_bias="attention_bias", qk_norm=True, sliding_window="opt-in-all",
+        qkv_bias="attention_bias", o_bias="attention_bias", qk_norm=True, sliding_window=Window.OPT_IN_ALL,
         moe=Moe(*QWEN_MOE_NAMES, sparse_step=True),
-        # Qwen3-30B-A3B: 128 experts of 768, 8 per token; 3b-a0.6b: that shape scaled to fit a 24 GB host
-        sizes={"30b-a3b": Shape(2048, 6144, 48, 32, 4, 128, False),
-               "3b-a0.6b": Shape(1024, 3072, 28, 16, 4, 128, True)},
-        make_config={"rms_norm_eps": 1e-6, "rope_parameters": ROPE_1M, "max_position_embeddings": 40960,
-                     "attention_bias": False, "use_sliding_window": False, "sliding_window": None,
-                     "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
-                     "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
-        size_config={"3b-a0.6b": {"num_experts": 64, "moe_intermediate_size": 512},
-                     "tiny": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 96}},
-        # head_dim 24 != hidden / heads, 7 experts, 3 per token; decoder_sparse_step 2: layers 0 and 2 dense
-        tiny=dict(hidden_size=96, intermediate_size=88, num_hidden_layers=4, num_attention_heads=6,
-                  num_key_value_heads=2, head_dim=24, vocab_size=512, max_position_embeddings=1024,
-                  rope_theta=1000000.0, rms_norm_eps=1e-6, num_experts=7, num_experts_per_tok=3,
-                  moe_intermediate_size=36, norm_topk_prob=True, decoder_sparse_step=2,
-                  tie_word_embeddings=False, initializer_range=0.2),
-        tiny_tp=dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-                     head_dim=16, moe_intermediate_size=32),
     ),
     Family(
-        "gemma2", ("Gemma2ForCausalLM",), "gemma2", "hotstart.model.families.gemma2:Gemma2ForCausalLM",
+        "gemma2", ("Gemma2ForCausalLM",), "gemma2",
         "supported: Gemma 2 (sliding window on alternate layers, logit soft-capping)",
+        builder="hotstart.model.families.gemma2:Gemma2ForCausalLM",
         defaults={**GEMMA_DEFAULTS, "max_position_embeddings": 8192, "sliding_window_pattern": 2,
                   "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
-        qkv_bias="attention_bias", o_bias="attention_bias", sliding_window="pattern",
+        qkv_bias="attention_bias", o_bias="attention_bias", sliding_window=Window.PATTERN,
         activation="hidden_activation", query_scalar=True,
         softcaps=("attn_logit_softcapping", "final_logit_softcapping"), layer_norms=GEMMA_NORMS,
-        # gemma-2-2b / 9b
-        sizes={"2b": Shape(2304, 9216, 26, 8, 4, 256, True), "9b": Shape(3584, 14336, 42, 16, 8, 256, True)},
-        make_config={"rms_norm_eps": 1e-6, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-                     "max_position_embeddings": 8192, "hidden_activation": "gelu_pytorch_tanh",
-                     "query_pre_attn_scalar": 256, "sliding_window": 4096, "attention_bias": False,
-                     "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
-        # 3 heads / 1 KV head of 20 (!= 72 / 3), a window of 8 on layers 0 and 2, caps that bite
-        tiny=dict(hidden_size=72, intermediate_size=136, num_hidden_layers=3, num_attention_heads=3,
-                  num_key_value_heads=1, head_dim=20, vocab_size=512, max_position_embeddings=1024,
-                  sliding_window=8, query_pre_attn_scalar=18, attn_logit_softcapping=4.0,
-                  final_logit_softcapping=8.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                  initializer_range=0.2),
-        tiny_tp=dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                     head_dim=16),
     ),
     Family(
-        "gemma3", ("Gemma3ForCausalLM",), "gemma3_text", "hotstart.model.families.gemma3:Gemma3ForCausalLM",
+        "gemma3", ("Gemma3ForCausalLM",), "gemma3_text",
         "supported: Gemma 3 text-only (`Gemma3ForCausalLM`: 5 sliding layers to 1 global, local RoPE)",
+        builder="hotstart.model.families.gemma3:Gemma3ForCausalLM",
         defaults={**GEMMA_DEFAULTS, "max_position_embeddings": 131072, "sliding_window_pattern": 6,
                   "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0},
-        qkv_bias="attention_bias", o_bias="attention_bias", qk_norm=True, sliding_window="pattern",
+        qkv_bias="attention_bias", o_bias="attention_bias", qk_norm=True, sliding_window=Window.PATTERN,
         activation="hidden_activation", query_scalar=True, softcaps=("final_logit_softcapping",),
         local_rope=True, layer_norms=GEMMA_NORMS,
-        # gemma-3-1b-it / the text model of gemma-3-4b-it
-        sizes={"1b": Shape(1152, 6912, 26, 4, 1, 256, True), "4b": Shape(2560, 10240, 34, 8, 4, 256, True)},
-        make_config={"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "query_pre_attn_scalar": 256,
-                     "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 512,
-                     "attention_bias": False, "rope_parameters": GEMMA3_ROPE,
-                     "final_logit_softcapping": None, "attn_logit_softcapping": None},
-        size_config={"4b": {"sliding_window": 1024, "max_position_embeddings": 131072,
-                            "rope_parameters": {**GEMMA3_ROPE, "full_attention": {
-                                "rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}}},
-        # head_dim 24 != 96 / 6, a window of 12 on all but every 3rd layer, linear RoPE on global layers
-        tiny=dict(hidden_size=96, intermediate_size=160, num_hidden_layers=4, num_attention_heads=6,
-                  num_key_value_heads=3, head_dim=24, vocab_size=512, max_position_embeddings=1024,
-                  sliding_window=12, sliding_window_pattern=3, query_pre_attn_scalar=20,
-                  final_logit_softcapping=8.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                  initializer_range=0.2,
-                  rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
-                                                      "rope_theta": 1e6},
-                                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
-        tiny_tp=dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                     head_dim=16),
     ),
-)
-
-# Phi-3.5-mini-instruct's and Phi-4-mini-instruct's LongRoPE factors (rotary dims / 2 = 48 each), rounded
-PHI35_LONG = [1.08, 1.11, 1.14, 1.34, 1.59, 1.6, 1.62, 2.62, 3.23, 3.23, 4.79, 7.4, 7.7, 9.09, 12.2, 17.67,
-              24.46, 28.57, 30.42, 30.84, 32.59, 32.93, 42.32, 44.96, 50.34, 50.45, 57.55, 57.93, 58.21,
-              60.14, 62.61, 62.62, 62.71, 63.14, 63.14, 63.77, 63.93, 63.96, 63.97, 64.03, 64.07, 64.08,
-              64.12, 64.41, 64.48, 64.51, 64.53, 64.84]
-PHI35_SHORT = [1.0, 1.02, 1.03, 1.03, 1.05, 1.05, 1.05, 1.05, 1.05, 1.07, 1.1, 1.11, 1.16, 1.16, 1.17, 1.29,
-               1.34, 1.68, 1.79, 1.82, 1.85, 1.88, 1.91, 1.94, 1.99, 2.02, 2.02, 2.02, 2.02, 2.02, 2.02, 2.03,
-               2.03, 2.03, 2.03, 2.03, 2.03, 2.03, 2.03, 2.03, 2.08, 2.09, 2.19, 2.22, 2.59, 2.73, 2.75, 2.84]
-PHI4_LONG = [1.0, 1.1183, 1.2506, 1.3986, 1.5641, 1.7492, 1.9561, 2.1876, 2.4464, 2.7359, 3.0596, 3.4216,
-             3.8265, 4.2792, 4.7855, 5.3517, 5.985, 6.6931, 7.485, 8.3707, 9.3611, 10.4687, 11.7074, 13.0926,
-             14.6417, 16.3742, 18.3116, 20.4782, 22.9012, 25.6109, 28.6412, 32.03, 32.1, 32.13, 32.23, 32.6,
-             32.61, 32.64, 32.66, 32.7, 32.71, 32.93, 32.97, 33.28, 33.49, 33.5, 44.16, 47.77]
-
-PHI_FAMILIES: tuple[Family, ...] = (
     Family(
-        "phi3", ("Phi3ForCausalLM",), "phi3", "hotstart.model.families.phi3:Phi3ForCausalLM",
+        "phi3", ("Phi3ForCausalLM",), "phi3",
         "supported: Phi-3, Phi-3.5, Phi-4-mini (fused qkv / gate_up, LongRoPE, partial rotary; "
         "`sliding_window` on every layer)",
+        builder="hotstart.model.families.phi3:Phi3ForCausalLM",
         defaults={"max_position_embeddings": 4096, "original_max_position_embeddings": 4096,
                   "rms_norm_eps": 1e-5},
-        sliding_window="always", fused_checkpoint=True, partial_rotary=True,
+        sliding_window=Window.ALWAYS, fused_checkpoint=True, partial_rotary=True,
         # transformers' Phi3Config reads the old names "su" and "yarn" as longrope
         rope_aliases={"su": "longrope", "yarn": "longrope"},
-        # Phi-3.5-mini-instruct (3.8B) and Phi-4-mini-instruct
-        sizes={"mini": Shape(3072, 8192, 32, 32, 32, None, False),
-               "phi4-mini": Shape(3072, 8192, 32, 24, 8, None, True)},
-        make_config={"rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 131072,
-                     "original_max_position_embeddings": 4096, "sliding_window": 262144,
-                     "attention_bias": False, "rope_scaling": {"type": "longrope", "long_factor": PHI35_LONG,
-                                                               "short_factor": PHI35_SHORT}},
-        size_config={"phi4-mini": {"partial_rotary_factor": 0.75, "rope_scaling": {
-            "type": "longrope", "long_factor": PHI4_LONG, "short_factor": [1.0] * 48}},
-            "tiny": {"rope_scaling": None, "max_position_embeddings": 4096}},  # 48 factors fit no tiny head
-        # 6 heads / 2 KV heads of 16, 12 of them rotary; LongRoPE with an original context of 6: prompts
-        # of the reference tests (and benchmarks/gpu_check.py's 8 tokens) take the long factors as
-        # transformers does for them; test_phi_olmo.py serves the short ones too
-        tiny=dict(hidden_size=96, intermediate_size=136, num_hidden_layers=2, num_attention_heads=6,
-                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024,
-                  original_max_position_embeddings=6, partial_rotary_factor=0.75, rms_norm_eps=1e-5,
-                  rope_theta=10000.0, tie_word_embeddings=True, initializer_range=0.2, pad_token_id=0,
-                  bos_token_id=1, eos_token_id=2, sliding_window=None,
-                  rope_scaling={"type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
-                                "long_factor": [1.5, 2.5, 4.0, 7.0, 11.0, 16.0]}),
-        # the fused tensors split per rank: q, k, v (gate, up) row ranges out of one tensor
-        tiny_tp=dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2),
     ),
     Family(
-        "olmo2", ("Olmo2ForCausalLM",), "olmo2", "hotstart.model.families.olmo2:Olmo2ForCausalLM",
+        "olmo2", ("Olmo2ForCausalLM",), "olmo2",
         "supported: OLMo 2 (post-norm, q/k norm over the whole projection; tensor parallel refused)",
+        builder="hotstart.model.families.olmo2:Olmo2ForCausalLM",
         defaults={"max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
         qkv_bias="attention_bias", o_bias="attention_bias", qk_norm="full", post_norm=True,
         tensor_parallel="OLMo 2's q/k RMSNorm spans the heads of every rank (not implemented)",
-        # OLMo-2-0425-1B, OLMo-2-1124-7B
-        sizes={"1b": Shape(2048, 8192, 16, 16, 16, None, False),
-               "7b": Shape(4096, 11008, 32, 32, 32, None, False)},
-        make_config={"rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "attention_bias": False,
-                     "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
-        # 6 heads / 2 KV heads, head_dim 20 != hidden / heads
-        tiny=dict(hidden_size=96, intermediate_size=136, num_hidden_layers=2, num_attention_heads=6,
-                  num_key_value_heads=2, head_dim=20, vocab_size=512, max_position_embeddings=1024,
-                  rms_norm_eps=1e-6, rope_theta=500000.0, tie_word_embeddings=False, initializer_range=0.2,
-                  pad_token_id=0, bos_token_id=1, eos_token_id=2),
-        tiny_tp=dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2),
     ),
 )
-FAMILIES += PHI_FAMILIES
-
-# Architectures refused today with "not supported yet": the families the next issue adds.
-PLANNED: tuple[tuple[str, tuple[str, ...]], ...] = (
-)
-
 
 # Architectures refused for good, with the reason.
 REFUSED: dict[str, str] = {
@@ -405,33 +202,5 @@ def for_architecture(architecture: str) -> Family | None:
     return next((f for f in FAMILIES if architecture in f.architectures), None)
 
 
-def planned(architecture: str) -> bool:
-    return any(architecture in archs for _, archs in PLANNED)
-
-
 def architectures() -> list[str]:
     return [a for f in FAMILIES for a in f.architectures]
-
-
-def tiny_checkpoints() -> dict[str, tuple[str, dict[str, Any]]]:
-    """Test checkpoint name ("qwen2", "qwen2-tp", ...) -> (model_type, transformers config kwargs).
-
-    Deep copies: transformers' config classes rewrite nested dicts they are given (rope_scaling gains
-    the partial_rotary_factor), which would change the table for every later reader."""
-    out = {}
-    for f in FAMILIES:
-        base = {"architectures": [f.architectures[0]], **copy.deepcopy(f.tiny)}
-        out[f.name] = (f.model_type, base)
-        out[f"{f.name}-tp"] = (f.model_type, copy.deepcopy({**base, **f.tiny_tp}))
-    return out
-
-
-def model_table() -> str:
-    """The README's model table (markdown)."""
-    rows = ["| family | architectures | `make-model --size` | status |", "|---|---|---|---|"]
-    for f in FAMILIES:
-        archs = ", ".join(f"`{a}`" for a in f.architectures)
-        rows.append(f"| {f.name} | {archs} | {', '.join(f.sizes)}, tiny | {f.status} |")
-    for name, archs in PLANNED:
-        rows.append(f"| {name} | {', '.join(f'`{a}`' for a in archs)} | | not yet: refused at load |")
-    return "\n".join(rows) + "\n"

@@ -1,46 +1,24 @@
 """ModelConfig: a model folder's config.json read as its family's transformers code reads it, without
 transformers or torch. What differs between families comes from hotstart/families.py; a config feature
-the code does not implement is refused with one line naming the file and the field, never ignored."""
+the code does not implement is refused with one line naming the file and the field, never ignored. The
+RoPE is read by rope_config.py, the attention window by sliding_window.py."""
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hotstart import config_fields as fields
 from hotstart import families
 from hotstart.errors import ModelConfigError
+from hotstart.rope_config import RopeConfig, parse_ropes
+from hotstart.sliding_window import parse_window
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
 # config.json activation name -> the MLP's function (layers.ACTIVATIONS); silu and swish are the same
 # function in transformers' ACT2FN, gelu_pytorch_tanh is GELU's tanh approximation (Gemma)
 SUPPORTED_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
-LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    theta: float = 10000.0
-    type: str = "default"
-    factor: float = 1.0
-    # llama3 scaling only
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192  # llama3, yarn, longrope: the pretraining context
-    partial_rotary_factor: float = 1.0  # RoPE over the first int(head_dim * this) dims of each head
-    # yarn and longrope: cos / sin are multiplied by it (None: derived from factor, as transformers does)
-    attention_factor: float | None = None
-    # yarn only
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    truncate: bool = True
-    # longrope only: one divisor per rotary frequency (rotary dims / 2 each); model/rope.py says which
-    short_factor: tuple[float, ...] = ()
-    long_factor: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -98,99 +76,6 @@ class ModelConfig:
         return self.num_key_value_heads * self.head_dim
 
 
-def _field(raw: dict, name: str, kind: type, src: Path, default: Any = ..., positive: bool = False):
-    if name not in raw or raw[name] is None:
-        if default is ...:
-            raise ModelConfigError(f"{src}: missing field '{name}'")
-        return default
-    value = raw[name]
-    ok = isinstance(value, bool) if kind is bool else isinstance(value, kind) and not isinstance(value, bool)
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value, ok = float(value), True
-    if not ok or (kind is float and not math.isfinite(value)):
-        raise ModelConfigError(f"{src}: field '{name}' must be {kind.__name__}, got {value!r}")
-    if positive and value <= 0:
-        raise ModelConfigError(f"{src}: field '{name}' must be > 0, got {value!r}")
-    return value
-
-
-def _number(params: dict, name: str, key: str, src: Path, default: Any) -> Any:
-    """A number of the RoPE parameters (null: DEFAULT), refused naming KEY.NAME when not one."""
-    value = params.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise ModelConfigError(f"{src}: field '{key}.{name}' must be a number, got {value!r}")
-    return float(value)
-
-
-def _rope(raw: dict, src: Path, fam: families.Family, max_pos: int, head_dim: int) -> RopeConfig:
-    # transformers >= 5 writes "rope_parameters" (with rope_theta inside); older files write
-    # "rope_theta" and "rope_scaling" at top level.
-    key = "rope_parameters" if raw.get("rope_parameters") else "rope_scaling"
-    params = raw.get(key) or {}
-    if not isinstance(params, dict):
-        raise ModelConfigError(f"{src}: field '{key}' must be an object, got {params!r}")
-    if any(isinstance(v, dict) for v in params.values()):
-        raise ModelConfigError(f"{src}: field '{key}' per layer type is not supported "
-                               "(one RoPE for all layers)")
-    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    if partial != 1.0 and not fam.partial_rotary:
-        raise ModelConfigError(f"{src}: field 'partial_rotary_factor' ({partial!r}) is not supported for "
-                               f"{fam.name} (its transformers code rotates the whole head)")
-    if not isinstance(partial, (int, float)) or isinstance(partial, bool) or not 0 < partial <= 1 or \
-            int(head_dim * partial) % 2:
-        raise ModelConfigError(f"{src}: field 'partial_rotary_factor' ({partial!r}) must be in (0, 1] and "
-                               f"rotate an even number of the {head_dim} head dims")
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
-        raise ModelConfigError(f"{src}: field 'rope_theta' must be a positive number, got {theta!r}")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    rope_type = fam.rope_aliases.get(rope_type, rope_type)
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ModelConfigError(f"{src}: field '{key}' type '{rope_type}' is not supported "
-                               f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
-    # transformers: a top-level original_max_position_embeddings (Phi-3's, a class default there) wins
-    # over the RoPE parameters'; absent from both: max_position_embeddings
-    orig = raw.get("original_max_position_embeddings", fam.defaults.get("original_max_position_embeddings"))
-    orig = params.get("original_max_position_embeddings", max_pos) if orig is None else orig
-    if not isinstance(orig, int) or isinstance(orig, bool) or orig < 1:
-        raise ModelConfigError(f"{src}: field 'original_max_position_embeddings' must be a positive int, "
-                               f"got {orig!r}")
-    # yarn / longrope without a factor: the context extension (max_position_embeddings / original)
-    factor = _number(params, "factor", key, src, max_pos / orig if rope_type in ("yarn", "longrope") else 1.0)
-    short, long = (), ()
-    if rope_type == "longrope":
-        half = int(head_dim * partial) // 2
-        lists = []
-        for name in ("short_factor", "long_factor"):
-            v = params.get(name)
-            if not isinstance(v, list) or len(v) != half or \
-                    not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
-                raise ModelConfigError(f"{src}: field '{key}.{name}' must list {half} numbers (rotary dims "
-                                       f"/ 2), got {v!r}")
-            lists.append(tuple(float(x) for x in v))
-        short, long = lists
-    return RopeConfig(
-        theta=float(theta),
-        # dynamic NTK scaling changes nothing within max_position_embeddings, the most the engine serves
-        type="default" if rope_type == "dynamic" else rope_type,
-        factor=factor,
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=orig,
-        partial_rotary_factor=float(partial),
-        attention_factor=_number(params, "attention_factor", key, src, None),
-        beta_fast=_number(params, "beta_fast", key, src, None) or 32.0,  # transformers: `or 32`
-        beta_slow=_number(params, "beta_slow", key, src, None) or 1.0,
-        mscale=_number(params, "mscale", key, src, None),
-        mscale_all_dim=_number(params, "mscale_all_dim", key, src, None),
-        truncate=bool(params.get("truncate", True)),
-        short_factor=short,
-        long_factor=long,
-    )
-
-
 def _ids(value: Any, src: Path, name: str) -> tuple[int, ...]:
     if value is None:
         return ()
@@ -203,7 +88,9 @@ def _ids(value: Any, src: Path, name: str) -> tuple[int, ...]:
 def _flag(rule: bool | str, raw: dict, src: Path, defaults: dict | None = None) -> bool:
     """A family's bias rule: a constant, or the config.json field that holds it (absent: the family's
     default, else False)."""
-    return rule if isinstance(rule, bool) else _field(raw, rule, bool, src, (defaults or {}).get(rule, False))
+    if isinstance(rule, bool):
+        return rule
+    return fields.read(raw, rule, bool, src, (defaults or {}).get(rule, False))
 
 
 def _moe(fam: families.Family, raw: dict, src: Path, layers: int) -> dict[str, Any]:
@@ -213,7 +100,7 @@ def _moe(fam: families.Family, raw: dict, src: Path, layers: int) -> dict[str, A
         return {}
 
     def get(name: str, kind: type, default: Any = ..., positive: bool = True):
-        return _field(raw, name, kind, src, fam.defaults.get(name, default), positive)
+        return fields.read(raw, name, kind, src, fam.defaults.get(name, default), positive)
 
     # transformers maps `num_experts` and `num_local_experts` onto one attribute (attribute_map)
     experts = get("num_local_experts" if "num_local_experts" in raw else "num_experts", int,
@@ -239,62 +126,6 @@ def _moe(fam: families.Family, raw: dict, src: Path, layers: int) -> dict[str, A
     )
 
 
-def _sliding_window(fam: families.Family, raw: dict, src: Path, layers: int) -> tuple[int | None, tuple]:
-    """(the attention window, which layers slide) as FAM's transformers code reads them; (None, ()) where no
-    layer slides."""
-    if fam.sliding_window == "none":
-        return None, ()
-    opted = _field(raw, "use_sliding_window", bool, src, default=False)
-    if fam.sliding_window.startswith("opt-in") and not opted:
-        return None, ()
-    if _field(raw, "use_bidirectional_attention", bool, src, default=False):
-        raise ModelConfigError(f"{src}: field 'use_bidirectional_attention' is not supported (causal only)")
-    window = raw["sliding_window"] if "sliding_window" in raw else fam.defaults.get("sliding_window")
-    if window is None:
-        return None, ()
-    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-        raise ModelConfigError(f"{src}: field 'sliding_window' must be a positive int or null, "
-                               f"got {window!r}")
-    if fam.sliding_window in ("always", "opt-in-all"):
-        return window, (True,) * layers
-    types = raw.get("layer_types")
-    if types is None and fam.sliding_window == "opt-in-even":
-        # transformers' Qwen2-MoE: the even layers below `max_window_layers` slide
-        first = _field(raw, "max_window_layers", int, src, default=fam.defaults["max_window_layers"])
-        types = ["sliding_attention" if i % 2 == 0 and i < first else "full_attention" for i in range(layers)]
-    if types is None and fam.sliding_window == "pattern":
-        # Gemma: every PATTERN-th layer is global, the others slide (Gemma 2: 2, Gemma 3: 6)
-        n = _field(raw, "sliding_window_pattern", int, src, default=fam.defaults["sliding_window_pattern"],
-                   positive=True)
-        types = ["sliding_attention" if (i + 1) % n else "full_attention" for i in range(layers)]
-    if types is None:  # Qwen2 / Qwen3: the layers from `max_window_layers` on
-        first = _field(raw, "max_window_layers", int, src, default=fam.defaults.get("max_window_layers", 0))
-        slides = tuple(i >= first for i in range(layers))
-        return (window, slides) if any(slides) else (None, ())
-    if not isinstance(types, list) or len(types) != layers or any(t not in LAYER_TYPES for t in types):
-        raise ModelConfigError(f"{src}: field 'layer_types' must list one of {', '.join(LAYER_TYPES)} "
-                               f"per layer ({layers}), got {types!r}")
-    slides = tuple(t == "sliding_attention" for t in types)
-    return (window, slides) if any(slides) else (None, ())
-
-
-def _local_rope(fam: families.Family, raw: dict, src: Path, max_pos: int,
-                head_dim: int) -> tuple[RopeConfig, RopeConfig | None]:
-    """(the global layers' RoPE, the sliding layers' or None). Gemma 3 writes either one `rope_parameters`
-    per layer type (transformers >= 5) or `rope_theta` / `rope_scaling` (global) and
-    `rope_local_base_freq` (sliding, no scaling)."""
-    if not fam.local_rope:
-        return _rope(raw, src, fam, max_pos, head_dim), None
-    params = raw.get("rope_parameters")
-    if isinstance(params, dict) and set(params) == {"full_attention", "sliding_attention"}:
-        return (_rope({"rope_parameters": params["full_attention"]}, src, fam, max_pos, head_dim),
-                _rope({"rope_parameters": params["sliding_attention"]}, src, fam, max_pos, head_dim))
-    default = {"rope_theta": fam.defaults["rope_theta"]} if "rope_theta" not in raw else {}
-    local = _field(raw, "rope_local_base_freq", float, src, default=fam.defaults["rope_local_base_freq"],
-                   positive=True)
-    return _rope({**default, **raw}, src, fam, max_pos, head_dim), RopeConfig(theta=local)
-
-
 def _softcap(fam: families.Family, raw: dict, src: Path, name: str) -> float | None:
     """A Gemma soft-capping field: null is no capping, absent the family's default."""
     if name not in fam.softcaps:
@@ -304,7 +135,7 @@ def _softcap(fam: families.Family, raw: dict, src: Path, name: str) -> float | N
         return None
     if name in raw and raw[name] is None:
         return None
-    return _field(raw, name, float, src, default=fam.defaults.get(name), positive=True)
+    return fields.read(raw, name, float, src, default=fam.defaults.get(name), positive=True)
 
 
 def _family(raw: dict, src: Path) -> tuple[str, families.Family]:
@@ -317,9 +148,6 @@ def _family(raw: dict, src: Path) -> tuple[str, families.Family]:
         raise ModelConfigError(f"{src}: architecture '{arch}' is not supported: {families.REFUSED[arch]}")
     if fam is None:
         supported = ", ".join(families.architectures())
-        if families.planned(arch):
-            raise ModelConfigError(f"{src}: architecture '{arch}' is not supported yet "
-                                   f"(supported: {supported})")
         raise ModelConfigError(f"{src}: unknown architecture '{arch}' (supported: {supported})")
     return arch, fam
 
@@ -331,7 +159,7 @@ def parse_model_config(raw: Any, src: Path, extra_eos: tuple[int, ...] = ()) -> 
     arch, fam = _family(raw, src)
 
     def get(name: str, kind: type, default: Any = ..., positive: bool = False):
-        return _field(raw, name, kind, src, fam.defaults.get(name, default), positive)
+        return fields.read(raw, name, kind, src, fam.defaults.get(name, default), positive)
 
     act = raw.get(fam.activation, fam.defaults.get(fam.activation, "silu"))
     if act not in SUPPORTED_ACTIVATIONS:
@@ -366,8 +194,8 @@ def parse_model_config(raw: Any, src: Path, extra_eos: tuple[int, ...] = ()) -> 
         raise ModelConfigError(f"{src}: field 'torch_dtype' must be float32, float16 or bfloat16, "
                                f"got {dtype!r}")
     bos = _ids(raw.get("bos_token_id"), src, "bos_token_id")
-    window, sliding_layers = _sliding_window(fam, raw, src, layers)
-    rope, rope_local = _local_rope(fam, raw, src, max_pos, head_dim)
+    window, sliding_layers = parse_window(fam, raw, src, layers)
+    rope, rope_local = parse_ropes(raw, src, fam, max_pos, head_dim)
     scalar = get("query_pre_attn_scalar", float, positive=True) if fam.query_scalar else None
 
     return ModelConfig(

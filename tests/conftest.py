@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from hotstart import families
+from helpers.families import tiny_checkpoints
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -54,9 +53,8 @@ def default_model_dir() -> Path:
 
 
 # test checkpoint name ("qwen2", "qwen2-tp", ...) -> (model_type, transformers config kwargs): every family's
-# odd-shaped tiny config, and a tensor-parallel friendly one (heads and MLP divisible by 2), from the one
-# table of family facts
-TINY = families.tiny_checkpoints()
+# odd-shaped tiny config, and a tensor-parallel friendly one (heads and MLP divisible by 2): tests/helpers/
+TINY = tiny_checkpoints()
 
 
 def make_tiny_checkpoint(family: str, out: Path, shard: bool = False, dtype: str = "float32") -> Path:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from util import REPO
+from helpers import REPO
 
 # top to bottom; a package may import from the layers below its own, never from its own layer's others
 LAYERS = [

@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
-from hotstart import families
 from hotstart.bench import args_engine, args_serving
+from hotstart.bench import model_sizes as families  # make-model's families and their sizes
 from hotstart.bench.args_engine import MODEL_HELP
 from hotstart.bench.argtypes import NameAction as _Name
 from hotstart.bench.argtypes import TargetAction as _Target

@@ -1,6 +1,6 @@
 """`hotstart make-model`: a random-weight checkpoint with a real model's shapes, written at disk speed.
 
-Shapes come from the published config.json of each model (the sizes of hotstart/families.py); the
+Shapes come from the published config.json of each model (hotstart/bench/model_sizes.py); the
 vocabulary is the default model's tokenizer (its files are copied), so a server can really tokenize,
 chat and detokenize with it. Values are normal(0, 0.02) (norm weights 1): the output is gibberish, but
 every startup cost (bytes, tensors, shapes) is real.
@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from hotstart import families
+from hotstart.bench import model_sizes
 from hotstart.errors import HotstartError
 from hotstart.model_config import parse_model_config
 
@@ -59,24 +60,24 @@ def tokenizer_vocab(tokenizer_json: Path) -> int:
 
 def build_config(args: argparse.Namespace, vocab: int, special: dict) -> dict:
     """config.json for FAMILY/SIZE with the overrides on the command line; validated."""
-    fam = families.by_name(args.family)
+    fam, made = families.by_name(args.family), model_sizes.by_name(args.family)
     size = (args.size or "").lower()
-    extra = dict(fam.make_config)
+    extra = dict(made.config)
     if size == "tiny":
-        base = families.MAKE_TINY
-        extra.update(fam.size_config.get(size, {}))  # MoE: a few small experts
+        base = model_sizes.TINY
+        extra.update(made.size_config.get(size, {}))  # MoE: a few small experts
     elif size:
-        if size not in fam.sizes:
-            known = ", ".join([*fam.sizes, "tiny"])
+        if size not in made.sizes:
+            known = ", ".join([*made.sizes, "tiny"])
             raise HotstartError(f"--size {args.size!r} for {fam.name}: known sizes: {known}")
-        base = fam.sizes[size]
-        extra.update(fam.size_config.get(size, {}))
+        base = made.sizes[size]
+        extra.update(made.size_config.get(size, {}))
     else:
         dims = ("hidden", "intermediate", "layers", "heads")
         missing = [f"--{n}" for n in dims if getattr(args, n) is None]
         if missing:
             raise HotstartError(f"give --size, or the dimensions ({' '.join(missing)} missing)")
-        base = families.Shape(None, None, None, None, None, None, True)
+        base = model_sizes.Shape(None, None, None, None, None, None, True)
     hidden, inter, layers, heads, kv, head_dim, tied = base
     pick = lambda given, default: default if given is None else given  # noqa: E731
     hidden, inter = pick(args.hidden, hidden), pick(args.intermediate, inter)

@@ -1,8 +1,8 @@
 """A launched server process: its own session, /health, one greedy answer, stop and verify.
 
 The one launcher of the startup benchmark (`hotstart bench startup`), the serving benchmarks
-(`hotstart bench serve|load|over-time|prefix-cache`) and the end-to-end tests (tests/util.py). Output goes
-to log files (nothing read while the server runs) or to a pipe that a thread reads into `lines`,
+(`hotstart bench serve|load|over-time|prefix-cache`) and the end-to-end tests (tests/helpers/server.py).
+Output goes to log files (nothing read while the server runs) or to a pipe that a thread reads into `lines`,
 where a `--port 0` server's URL is found. Stdlib only (http.client, /proc): after a cold eviction the
 harness must not import anything, or it would read the very files it just evicted and warm them for the
 server it is timing. Every wait is bounded by a deadline; stop() ends the whole process group and checks

@@ -85,8 +85,8 @@ class EngineCore:
         self.grammars: Grammars | None = None  # built by the first constrained request (engine/grammar.py)
         self.spec = None  # the NgramSpeculator of --speculative-config (engine/spec_decode.py)
         if cfg.speculative_config:
-            from hotstart.engine.spec_config import SpecConfig  # noqa: PLC0415 - only with the option
             from hotstart.engine.spec_decode import NgramSpeculator  # noqa: PLC0415
+            from hotstart.spec_config import SpecConfig  # noqa: PLC0415 - only with the option
 
             self.spec = NgramSpeculator(SpecConfig.parse(cfg.speculative_config), max_model_len)
 

@@ -32,7 +32,7 @@ from array import array
 from dataclasses import dataclass, field
 
 from hotstart.engine.sequence import Sequence
-from hotstart.engine.spec_config import SpecConfig
+from hotstart.spec_config import SpecConfig
 
 MAX_BACKOFF = 64  # decode steps a sequence pauses drafting at most
 

@@ -90,18 +90,23 @@ def query(p: Paths, stop: bool = False, timeout: float = QUERY_TIMEOUT_S):
         sock.close()
 
 
-def spawn(p: Paths, keep: list, detach: bool = True, env: dict | None = None) -> subprocess.Popen:
-    """Start the zygote process for P. DETACH: it outlives us (else it dies with us)."""
+def _argv(p: Paths, keep: list, watch: bool) -> list[str]:
+    return [sys.executable, "-m", "hotstart.forkserver.zygote", "--socket", p.sock, "--lock", p.lock,
+            "--cwd", os.getcwd(), "--keep-json", json.dumps(keep), *([] if watch else ["--no-watch"])]
+
+
+def spawn(p: Paths, keep: list, detach: bool = True, env: dict | None = None,
+          watch: bool = True) -> subprocess.Popen:
+    """Start the zygote process for P. DETACH: it outlives us (else it dies with us). WATCH: it restarts
+    when the hotstart or torch files it runs change."""
     from hotstart.procs import die_with_parent  # noqa: PLC0415
 
     if len(p.sock.encode()) > SUN_PATH_MAX:
         raise HotstartError(f"socket path {p.sock} is too long for a Unix socket (set HOTSTART_RUNTIME_DIR)")
     fd = os.open(p.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    argv = [sys.executable, "-m", "hotstart.forkserver.zygote", "--socket", p.sock, "--lock", p.lock,
-            "--cwd", os.getcwd(), "--keep-json", json.dumps(keep)]
     try:
-        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, env=env,
-                                start_new_session=True,
+        return subprocess.Popen(_argv(p, keep, watch), stdin=subprocess.DEVNULL, stdout=fd, stderr=fd,
+                                env=env, start_new_session=True,
                                 preexec_fn=None if detach else (lambda: die_with_parent(signal.SIGTERM)))  # noqa: PLW1509
     finally:
         os.close(fd)
@@ -210,11 +215,11 @@ def cmd_start(args) -> int:
     if not _lock_free(p):
         raise HotstartError(f"a zygote is starting or not answering (it holds {p.lock}); see {p.log}")
     _clean_stale(p)
+    watch = not args.no_watch
     if args.foreground:
-        os.execv(sys.executable, [sys.executable, "-m", "hotstart.forkserver.zygote", "--socket", p.sock,
-                                  "--lock", p.lock, "--cwd", os.getcwd(), "--keep-json", json.dumps(keep)])
+        os.execv(sys.executable, _argv(p, keep, watch))
     t = time.monotonic()
-    proc = spawn(p, keep)
+    proc = spawn(p, keep, watch=watch)
     kept_bytes = sum(os.path.getsize(f) for _, files in keep for f in files)
     info = wait_ready(p, proc, START_TIMEOUT_S + kept_bytes / KEEP_READ_BPS)  # --keep reads it all first
     _, st = query(p)

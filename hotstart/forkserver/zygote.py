@@ -1,6 +1,6 @@
 """The zygote: a forkserver that outlives the servers it forks engines for (`hotstart zygote start`).
 
-    python -m hotstart.forkserver.zygote --socket PATH --lock PATH --cwd DIR [--keep-json JSON]
+    python -m hotstart.forkserver.zygote --socket PATH --lock PATH --cwd DIR [--keep-json JSON] [--no-watch]
 
 It takes the lock (one zygote per runtime.paths() key), imports torch and the engine once (and never
 runs a torch op, so forking it stays safe), keeps the --keep models resident (keep.py), then listens
@@ -12,7 +12,8 @@ otherwise); StopEngine; StopServer, which here ends only that connection's engin
 (PR_SET_PDEATHSIG), with its connection, and with its API process (EOF on the lifeline, read by a
 daemon thread that does nothing else). Idle, the zygote blocks in select without a timeout (SIGCHLD
 wakes it). When the hotstart or torch files it runs change on disk it says so (clients then bypass
-it) and re-executes itself once idle, so an edit-restart loop gets a fresh one.
+it) and re-executes itself once idle, so an edit-restart loop gets a fresh one; --no-watch (`zygote start
+--no-watch`) keeps it through such changes (servers still refuse one of another version).
 """
 
 from __future__ import annotations
@@ -87,14 +88,14 @@ class Zygote(ForkServer):
     process = "zygote"
 
     def __init__(self, preload: Span, worker, listener: socket.socket, sock_path: str, lock_fd: int,
-                 kept: list[keeping.Kept]) -> None:
+                 kept: list[keeping.Kept], watch: bool = True) -> None:
+        """WATCH: note changes to the files it runs (checks.stamps) and restart once idle; False: never."""
         super().__init__(preload, worker)
         self.listener, self.sock_path, self.lock_fd, self.kept = listener, sock_path, lock_fd, kept
         self.sock_ino = os.stat(sock_path).st_ino
         self.contexts: dict[socket.socket, _Context] = {}
         self.fds_in: dict[socket.socket, list[int]] = {}  # received, not yet claimed by an EngineContext
-        # HOTSTART_ZYGOTE_TEST_NO_WATCH: tests in a tree others edit meanwhile (tests only)
-        self.stamps = {} if os.environ.get("HOTSTART_ZYGOTE_TEST_NO_WATCH") else stamps()
+        self.stamps = stamps() if watch else {}
         self.reexec = False
         self.wake_r, self.wake_w = socket.socketpair()
         for s in (self.wake_r, self.wake_w):
@@ -102,9 +103,8 @@ class Zygote(ForkServer):
         signal.set_wakeup_fd(self.wake_w.fileno())  # SIGCHLD / SIGTERM wake the select below
         signal.signal(signal.SIGCHLD, lambda signum, frame: None)
         torch = sys.modules["torch"]
-        version = os.environ.get("HOTSTART_ZYGOTE_TEST_VERSION") or self.info.hotstart_version  # tests only
         self.info = msgspec.structs.replace(
-            self.info, hotstart_version=version, uid=os.getuid(), started=T_START,
+            self.info, uid=os.getuid(), started=T_START,
             hotstart_path=hotstart_dir(), torch_path=os.path.dirname(torch.__file__), import_env=import_env())
 
     def stale(self) -> str:
@@ -284,6 +284,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lock", required=True)
     p.add_argument("--cwd", default="/", help="the folder to re-execute in (hotstart is imported from there)")
     p.add_argument("--keep-json", default="[]", help='[["model folder", ["file", ...]], ...]')
+    p.add_argument("--no-watch", action="store_true", help="never restart for changed hotstart / torch files")
     args = p.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a daemon: `hotstart zygote stop` or SIGTERM ends it
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
@@ -300,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     except OSError as e:
         log(f"hotstart: zygote: cannot listen on {args.socket}: {e.strerror or e}")
         os._exit(1)
-    zygote = Zygote(preload, worker, listener, args.socket, lock_fd, kept)
+    zygote = Zygote(preload, worker, listener, args.socket, lock_fd, kept, watch=not args.no_watch)
     os.chdir("/")  # hold no folder of anyone's
     torch_version = zygote.info.torch_version
     log(f"hotstart: zygote: pid {os.getpid()} ready in {time.time() - T_START:.2f} s (torch {torch_version}) "

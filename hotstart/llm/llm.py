@@ -60,7 +60,7 @@ class LLM:
         engine_kwargs = {k: v for k, v in kwargs.items() if k in _ENGINE_ARGS and v is not None}
         engine_kwargs["max_num_seqs"] = max_num_seqs
         if "speculative_config" in engine_kwargs:  # vLLM's dict (or its JSON text); travels as JSON text
-            from hotstart.engine.spec_config import SpecConfig  # noqa: PLC0415 - only with the option
+            from hotstart.spec_config import SpecConfig  # noqa: PLC0415 - only with the option
 
             try:
                 spec = SpecConfig.parse(engine_kwargs["speculative_config"])

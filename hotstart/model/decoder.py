@@ -1,5 +1,6 @@
-"""The decoder-only causal LM every family subclasses (hotstart/model/families/): embedding, a stack of
-the family's decoder layers, final norm, LM head (tied or not).
+"""The decoder-only causal LM of every family (a family with its own layer subclasses it, in
+hotstart/model/families/): embedding, a stack of the family's decoder layers, final norm, LM head (tied
+or not).
 
 Parameter names follow the Hugging Face checkpoints. With fused=True the q/k/v and gate/up projections
 are fused into one matmul each (layers.FusedLinear; worth it on GPUs, where weights are copied anyway);
@@ -40,8 +41,10 @@ class Backbone(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """A family's model: a subclass names its decoder layer, which implements attn_inputs / finish around
-    self_attn.attend (layers.DecoderLayer: the layer graphs of the fast path rely on that split)."""
+    """The decoder-only model of every family whose layer is layers.DecoderLayer (Llama, Qwen2, Qwen3,
+    Mistral: they differ in ModelConfig flags only). A family with another layer subclasses it naming its
+    layer_class, which implements attn_inputs / finish around self_attn.attend (the layer graphs of the
+    fast path rely on that split)."""
 
     layer_class: type[nn.Module] = DecoderLayer
     graph_layers = True  # whether model/graphs.py's layer graphs compute this family's layer (Llama's)

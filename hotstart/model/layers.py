@@ -1,5 +1,5 @@
 """Blocks shared by every model family: linear layers, RMSNorm, rotary embedding, paged attention, gated
-MLP, and the pre-norm decoder layer the families build from them (hotstart/model/families/). What differs
+MLP, and the pre-norm decoder layer (the shared one; hotstart/model/families/ builds the others). What differs
 between families is a ModelConfig flag (hotstart/families.py), read here; no block names a family.
 
 Tokens of all sequences in a step are flattened into one batch dimension T (varlen, like vLLM):
@@ -14,7 +14,8 @@ from torch import nn
 
 from hotstart.model import cpu_kernels, onednn, rope
 from hotstart.model.attention import AttnMetadata, paged_attention
-from hotstart.model_config import ModelConfig, RopeConfig
+from hotstart.model_config import ModelConfig
+from hotstart.rope_config import RopeConfig
 
 # What a compiled layer graph computes with its inputs (engine/fastpath/cache.py keys packages by it): bump
 # it when a layer's math or the meaning of its inputs changes (2: RoPE's sin table holds rotate_half's sign).

@@ -1,5 +1,5 @@
 """RoPE frequencies, computed as transformers' rope init functions compute them (modeling_rope_utils:
-default, linear, llama3, yarn, longrope; "dynamic" is read as default by model_config.py: it changes
+default, linear, llama3, yarn, longrope; "dynamic" is read as default by rope_config.py: it changes
 nothing within max_position_embeddings).
 
 Each type gives inv_freq ([rotary_dim / 2]) and an attention factor that scales the cos/sin tables
@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from hotstart.model_config import RopeConfig
+from hotstart.rope_config import RopeConfig
 
 
 def rotary_dim(rope: RopeConfig, head_dim: int) -> int:

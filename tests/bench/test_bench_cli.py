@@ -8,7 +8,7 @@ import re
 import subprocess
 import sys
 
-from util import REPO
+from helpers import REPO
 
 from hotstart.bench.args import BENCH_VERBS, runner
 

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 import torch
-from util import REPO, run_session
+from helpers import REPO
+from helpers.procs import run_session
 
 from hotstart.model import cpu_kernels
 

@@ -9,8 +9,9 @@ import json
 import os
 import sys
 
+from helpers import REPO
 from helpers.fake_openai import peers_env
-from util import REPO, run_session
+from helpers.procs import run_session
 
 
 def hotstart_bench(verb: str, args: list[str], env: dict, timeout: float):

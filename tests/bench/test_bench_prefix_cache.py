@@ -7,7 +7,8 @@ import json
 import os
 import sys
 
-from util import REPO, run_session
+from helpers import REPO
+from helpers.procs import run_session
 
 
 def test_prefix_cache_on_hits_off_does_not(tmp_path, default_model_dir):

@@ -9,8 +9,9 @@ import os
 import sys
 
 import pytest
+from helpers import REPO
 from helpers.fake_openai import bodies, fake_server_cmd, peers_env
-from util import REPO, run_session
+from helpers.procs import run_session
 
 from hotstart.bench.process import Server, free_port
 from hotstart.text.tokenizer import Tokenizer

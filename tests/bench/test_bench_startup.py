@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from util import run_session
+from helpers.procs import run_session
 
 from hotstart.procs import alive, group_pids
 

@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from util import REPO
+from helpers import REPO
 
 from hotstart import families
 

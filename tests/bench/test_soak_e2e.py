@@ -13,8 +13,10 @@ import sys
 from collections import Counter
 
 import httpx
+from helpers import REPO
 from helpers.models import make_tiny
-from util import REPO, Server, run_session
+from helpers.procs import run_session
+from helpers.server import Server
 
 from hotstart.bench.prometheus import samples
 from hotstart.bench.soak_workload import BAD_VARIANTS, KINDS

@@ -9,13 +9,12 @@ import contextlib
 import errno
 import os
 import resource
-import shutil
 import signal
-import subprocess
 import zipfile
 from pathlib import Path
 
 import pytest
+from helpers.disk import small_tmpfs
 
 from hotstart import diskio
 from hotstart.boot.default_model import COMPLETE_MARKER, is_converted
@@ -32,23 +31,6 @@ def file_size_limit(nbytes: int):
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
         signal.signal(signal.SIGXFSZ, old_handler)
-
-
-@contextlib.contextmanager
-def small_tmpfs(folder: Path, size: str):
-    """A tmpfs of SIZE on FOLDER, or a skip naming why (mounting needs root, and CI may forbid it)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a tmpfs needs root and mount(8)")
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True, text=True
-    )
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()[:200]}")
-    try:
-        yield folder
-    finally:
-        subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
 def test_a_failed_write_leaves_the_old_file_and_no_temp(tmp_path):

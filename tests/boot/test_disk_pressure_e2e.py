@@ -8,8 +8,8 @@ import time
 
 import httpx
 import pytest
-from test_disk_pressure import small_tmpfs
-from util import Server
+from helpers.disk import small_tmpfs
+from helpers.server import Server
 
 pytestmark = pytest.mark.e2e
 PROBLEMS = ("WARNING", "could not", "cannot write", "failed", "Traceback")

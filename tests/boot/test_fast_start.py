@@ -14,7 +14,8 @@ import time
 import httpx
 import psutil
 import pytest
-from util import Server, tagged
+from helpers.procs import tagged
+from helpers.server import Server
 
 from hotstart.procs import descendants
 

@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from util import REPO, disk_backed_dir
+from helpers import REPO
+from helpers.disk import disk_backed_dir
 
 from hotstart.boot import iosched, manifest
 from hotstart.boot.residency import FileMap, evict, resident_bytes
@@ -138,7 +139,7 @@ def test_start_after_calls_once_the_gate_opens_or_the_timeout_passes():
 
 def test_a_start_records_both_manifests_and_the_next_start_reads_them_first(tmp_path, default_model_dir):
     import httpx
-    from util import Server
+    from helpers.server import Server
 
     home = tmp_path / "home"
     (home / "models").mkdir(parents=True)

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from util import disk_backed_dir
+from helpers.disk import disk_backed_dir
 
 from hotstart.boot import storage
 from hotstart.boot.populate import METHODS

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from helpers.s3 import FaultProxy, Moto
-from util import Server, openai_client
+from helpers.server import Server, openai_client
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from util import deploy_metric_names
+from helpers.server import deploy_metric_names
 
 from hotstart.cli import build_parser
 

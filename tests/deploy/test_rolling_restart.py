@@ -20,7 +20,7 @@ import time
 
 import httpx
 import pytest
-from util import Server
+from helpers.server import Server
 
 NGINX = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if os.path.exists(p)), None)
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(NGINX is None, reason="nginx is not installed (make test "

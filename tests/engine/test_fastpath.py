@@ -13,7 +13,8 @@ import httpx
 import pytest
 import torch
 import torch.nn.functional as F
-from util import Server, greedy_batch
+from helpers.engine import greedy_batch
+from helpers.server import Server
 
 from hotstart.config import EngineConfig
 from hotstart.engine.core import EngineCore
@@ -306,7 +307,13 @@ def test_bucket_swaps_in_under_load_then_the_cache_is_reused(served, tmp_path):
 
 
 def test_a_failed_compile_keeps_serving_eagerly(served, tmp_path):
-    s = _serve(served, tmp_path, "--compile", "graphs", env={"HOTSTART_TEST_COMPILE_FAIL": "/bin/false"})
+    # A C++ compiler that fails, through CXX, which Inductor honours (and the CPU kernels' build, which
+    # --compile graphs does not start: only the compile worker ever runs it)
+    cxx = tmp_path / "bin" / "g++"
+    cxx.parent.mkdir()
+    cxx.write_text("#!/bin/sh\necho 'g++: fatal error: cannot compile anything here' >&2\nexit 1\n")
+    cxx.chmod(0o755)
+    s = _serve(served, tmp_path, "--compile", "graphs", env={"CXX": str(cxx)})
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:

@@ -16,8 +16,8 @@ import psutil
 import pytest
 import torch
 from helpers.cli import assert_fails_with, hotstart
-from tp_ranks import executor_for_case, prefill_and_decode, run_two_ranks
-from util import Server
+from helpers.server import Server
+from helpers.tp_ranks import executor_for_case, prefill_and_decode, run_two_ranks
 
 from hotstart.config import EngineConfig, load_model_config
 from hotstart.engine import distributed

@@ -1,9 +1,10 @@
 """The zygote: real zygote processes in private runtime folders (HOTSTART_RUNTIME_DIR), real servers,
 the default model. Engines forked from it answer exactly as a local forkserver's do, die with the API
 process that asked for them (SIGTERM or SIGKILL) and not with the zygote's other work; a zygote of
-another version is ignored; a zygote killed mid-start is replaced by a local forkserver; `zygote stop`
-leaves no process and no socket. The trust checks (folder owner and mode, SO_PEERCRED, identity), the
-staleness check and the RAM guard / mlock fallback of --keep are tested directly."""
+another version (a copy of the package upgraded in place under it) is ignored; a zygote killed
+mid-start is replaced by a local forkserver; `zygote stop` leaves no process and no socket. The trust
+checks (folder owner and mode, SO_PEERCRED, identity), the staleness check and the RAM guard / mlock
+fallback of --keep are tested directly."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import httpx
 import msgspec
 import psutil
 import pytest
-from util import Server
+from helpers.server import Server
 
 from hotstart.forkserver import keep as keeping
 from hotstart.forkserver.control import query
@@ -48,9 +49,6 @@ QUESTION = {"model": "SmolLM2-135M-Instruct", "temperature": 0, "max_tokens": 24
             "messages": [{"role": "user", "content": "Name three colours of the rainbow."}]}
 
 
-# The source tree may be edited while the suite runs: a zygote watching it would (rightly) turn stale
-# and restart mid-test. Watching is tested on a copy of the package (test_an_edit_restarts_the_zygote).
-NO_WATCH = {"HOTSTART_ZYGOTE_TEST_NO_WATCH": "1"}
 
 
 @pytest.fixture(autouse=True)
@@ -59,16 +57,24 @@ def patient_probe(monkeypatch):
     monkeypatch.setenv("HOTSTART_ZYGOTE_ANSWER_MS", "3000")
 
 
-def _zygote(rundir: str, *args: str, env: dict | None = None, cwd: str | None = None,
+def _zygote(rundir: str, *args: str, env: dict | None = None, cwd: str | None = None, watch: bool = False,
             timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {
-        **os.environ,
-        "HOTSTART_RUNTIME_DIR": rundir,
-        **(NO_WATCH if args[0] == "start" else {}),
-        **(env or {}),
-    }
+    """`hotstart zygote ARGS`. A zygote started here watches its files only with WATCH: the source tree may
+    be edited while the suite runs, and one watching it would (rightly) turn stale and restart mid-test
+    (watching is tested on a copy of the package: test_an_edit_restarts_the_zygote)."""
+    if args[0] == "start" and not watch:
+        args = (*args, "--no-watch")
+    env = {**os.environ, "HOTSTART_RUNTIME_DIR": rundir, **(env or {})}
     return subprocess.run([sys.executable, "-m", "hotstart", "zygote", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=cwd, check=False)
+
+
+def _package_copy(tmp_path: Path) -> Path:
+    """A copy of the hotstart package, to edit: run with PYTHONPATH and the working folder at the returned
+    root, its processes import the copy (and their zygote is the copy's: runtime.paths() keys it)."""
+    root = tmp_path / "src"
+    shutil.copytree(REPO / "hotstart", root / "hotstart", ignore=shutil.ignore_patterns("__pycache__"))
+    return root
 
 
 @pytest.fixture
@@ -169,18 +175,27 @@ def test_zygote_serves_the_same_answers_and_leaves_nothing(default_model_dir, ru
     assert out.returncode == 3 and "not running" in out.stdout, out.stdout
 
 
-def test_a_zygote_of_another_version_is_ignored(default_model_dir, rundir):
-    out = _zygote(rundir, "start", env={"HOTSTART_ZYGOTE_TEST_VERSION": "0.0.0-other"})
+def test_a_zygote_of_another_version_is_ignored(default_model_dir, rundir, tmp_path, monkeypatch):
+    """A zygote left running (--no-watch) while hotstart is upgraded in place under it."""
+    root = _package_copy(tmp_path)
+    init = root / "hotstart" / "__init__.py"
+    upgraded = init.read_text()
+    init.write_text(re.sub(r'__version__ = "[^"]*"', '__version__ = "0.0.0-other"', upgraded, count=1))
+    env = {"PYTHONPATH": str(root)}
+    out = _zygote(rundir, "start", env=env, cwd=str(root))
     assert out.returncode == 0, out.stdout + out.stderr
-    zygote = psutil.Process(_info(rundir).pid)
-    s = Server(*ARGS, env={"HOTSTART_RUNTIME_DIR": rundir})
+    zygote = psutil.Process(int(re.search(r"started, pid (\d+)", out.stdout).group(1)))
+    init.write_text(upgraded)
+    monkeypatch.chdir(root)  # `python -m hotstart` imports the copy
+    s = Server(*ARGS, env={"HOTSTART_RUNTIME_DIR": rundir, **env})
     try:
         line = next(line for line in s.lines if "zygote not used" in line)
         assert "version mismatch (zygote: hotstart 0.0.0-other" in line, line
         assert len(_forkservers(s)) == 1 and not zygote.children()
     finally:
         s.stop()
-    again = _zygote(rundir, "start")  # one that serve would not use is not taken for "already running"
+    # one that serve would not use is not taken for "already running"
+    again = _zygote(rundir, "start", env=env, cwd=str(root))
     assert again.returncode == 2 and "version mismatch" in again.stderr, again.stdout + again.stderr
     assert len(again.stderr.strip().splitlines()) == 1 and "Traceback" not in again.stderr
 
@@ -286,10 +301,9 @@ def test_an_edit_restarts_the_zygote(tmp_path, rundir):
     zygote report itself stale (servers bypass it) and re-execute itself, fresh, once idle."""
     from hotstart.forkserver.checks import changed
 
-    root = tmp_path / "src"
-    shutil.copytree(REPO / "hotstart", root / "hotstart", ignore=shutil.ignore_patterns("__pycache__"))
-    env = {"PYTHONPATH": str(root), "HOTSTART_ZYGOTE_TEST_NO_WATCH": ""}
-    out = _zygote(rundir, "start", env=env, cwd=str(root))
+    root = _package_copy(tmp_path)
+    env = {"PYTHONPATH": str(root)}
+    out = _zygote(rundir, "start", env=env, cwd=str(root), watch=True)
     assert out.returncode == 0, out.stdout + out.stderr
     pid = int(re.search(r"started, pid (\d+)", out.stdout).group(1))
     core = root / "hotstart" / "engine" / "core.py"

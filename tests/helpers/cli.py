@@ -13,7 +13,8 @@ import uuid
 from dataclasses import dataclass
 
 import psutil
-from util import tagged
+
+from helpers.procs import tagged
 
 READY = re.compile(r"hotstart: ready in")
 

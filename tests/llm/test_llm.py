@@ -12,7 +12,8 @@ import sys
 import textwrap
 
 import pytest
-from util import Server, openai_client, run_session, tagged
+from helpers.procs import run_session, tagged
+from helpers.server import Server, openai_client
 
 from hotstart import LLM, SamplingParams, StructuredOutputsParams
 from hotstart.procs import alive

@@ -64,7 +64,7 @@ def test_one_class_from_user_to_engine():
 
 
 def test_import_hotstart_stays_light():
-    from util import no_torch_in
+    from helpers.procs import no_torch_in
 
     # the LLM's API side is torch-free too, and so is the start sequence until it builds an engine here
     for module in ("hotstart", "hotstart.llm", "hotstart.frontend.start", "hotstart.server.api"):

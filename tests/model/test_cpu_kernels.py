@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from util import greedy_batch
+from helpers.engine import greedy_batch
 
 from hotstart.config import EngineConfig
 from hotstart.engine.core import EngineCore

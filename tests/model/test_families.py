@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from util import REPO
+from helpers import REPO
+from helpers.families import tiny_checkpoints
 
 from hotstart import families
 from hotstart.config import EngineConfig
@@ -23,7 +24,7 @@ from hotstart.model import registry
 from hotstart.model.decoder import CausalLM
 from hotstart.model_config import load_model_config, parse_model_config
 
-TINY = families.tiny_checkpoints()
+TINY = tiny_checkpoints()
 DROP = object()  # a change that removes the field
 
 
@@ -217,7 +218,7 @@ def test_every_family_has_a_builder_and_odd_test_shapes():
     for fam in families.FAMILIES:
         assert fam.name not in seen and not seen & set(fam.architectures)
         seen |= {fam.name, *fam.architectures}
-        assert fam.builder.startswith("hotstart.model.families.")
+        assert not fam.builder or fam.builder.startswith("hotstart.model.families.")
         model_type, kw = TINY[fam.name]
         cfg = parse_model_config({"model_type": model_type, **kw}, Path("config.json"))
         assert issubclass(registry.model_class(cfg), CausalLM) and cfg.family == fam.name
@@ -229,23 +230,34 @@ def test_every_family_has_a_builder_and_odd_test_shapes():
         assert all(tp[k] % 2 == 0 for k in halves), tp
 
 
+def test_every_window_mode_has_one_rule():
+    from hotstart import sliding_window
+
+    assert set(sliding_window.RULES) == set(families.Window) - {families.Window.NONE}
+    assert {f.sliding_window for f in families.FAMILIES} == set(families.Window)  # each mode is used
+
+
 def test_family_modules_load_lazily(tiny_checkpoint):
-    """Loading a Qwen3 checkpoint imports the qwen3 module and no other family's."""
+    """A Qwen3 checkpoint (the shared layer) imports no family module; a Gemma 2 one gemma2's alone."""
     code = ("import sys; from hotstart.model import loader, registry; "
             "from hotstart.config import load_model_config; "
             "loaded = lambda: sorted(m for m in sys.modules if m.startswith('hotstart.model.families.')); "
             "before = loaded(); "
-            f"registry.model_class(load_model_config({str(tiny_checkpoint('qwen3'))!r})); "
-            "print(before, loaded())")
+            f"registry.model_class(load_model_config({str(tiny_checkpoint('qwen3'))!r})); shared = loaded(); "
+            f"registry.model_class(load_model_config({str(tiny_checkpoint('gemma2'))!r})); "
+            "print(before, shared, loaded())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["[]", "['hotstart.model.families.qwen3']"]
+    assert out.stdout.split() == ["[]", "[]", "['hotstart.model.families.gemma2']"]
 
 
 def test_readme_model_table_is_the_family_table():
+    from hotstart.bench import model_sizes
+
+    assert model_sizes.names() == families.names()  # make-model writes every family
     readme = (REPO / "README.md").read_text()
-    assert families.model_table() in readme, "README.md: paste `python -c 'from hotstart import families; " \
-                                              "print(families.model_table())'` over the model table"
+    assert model_sizes.model_table() in readme, "README.md: paste `python -c 'from hotstart.bench import " \
+        "model_sizes; print(model_sizes.model_table())'` over the model table"
 
 
 def test_cli_refuses_multimodal_gemma3_in_one_line(tiny_checkpoint, default_model_dir, tmp_path):

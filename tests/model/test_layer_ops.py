@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from util import greedy_batch
+from helpers.engine import greedy_batch
 
 from hotstart.config import EngineConfig
 from hotstart.engine.core import EngineCore

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 import torch
+from helpers.procs import no_torch_in
 from safetensors.torch import load_file, save_file
-from util import no_torch_in
 
 from hotstart.config import load_model_config
 from hotstart.errors import HotstartError

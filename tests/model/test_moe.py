@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_model_reference import LOGIT_ATOL, _greedy, _prefill_logits, _ref_greedy
-from tp_ranks import executor_for_case, prefill_and_decode, run_two_ranks
-from util import Server
+from helpers.families import tiny_checkpoints
+from helpers.reference import LOGIT_ATOL, greedy, prefill_logits, reference_greedy
+from helpers.server import Server
+from helpers.tp_ranks import executor_for_case, prefill_and_decode, run_two_ranks
 
 from hotstart import families
 from hotstart.config import EngineConfig, load_model_config
@@ -27,7 +28,7 @@ from hotstart.model_config import parse_model_config
 from hotstart.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = families.tiny_checkpoints()
+TINY = tiny_checkpoints()
 MOE = [f.name for f in families.FAMILIES if f.moe is not None]
 
 
@@ -141,12 +142,12 @@ def test_windows_in_moe_models_match_transformers(tmp_path, family, changes):
         model_path=str(tmp_path), weight_files=tuple(str(p) for p in weight_files(tmp_path)), device="cpu",
         dtype="float32", kv_cache_memory=16 << 20, max_model_len=1024, block_size=4))
     ids = torch.randint(0, cfg.vocab_size, (19,), generator=torch.Generator().manual_seed(3)).tolist()
-    want = _ref_greedy(theirs, ids, 24, eos=None)
-    assert _greedy(core, ids, 24) == want  # decode past the window: paged blocks, windowed decode attention
+    want = reference_greedy(theirs, ids, 24, eos=None)
+    assert greedy(core, ids, 24) == want  # decode past the window: paged blocks, windowed decode attention
     text = ids + want
     with torch.no_grad():
         their_logits = theirs(torch.tensor([text])).logits[0, -1]
-    our_logits = _prefill_logits(core, text)  # one prefill of 43 tokens: the windowed prefill mask
+    our_logits = prefill_logits(core, text)  # one prefill of 43 tokens: the windowed prefill mask
     err = (our_logits - their_logits).abs().max()
     assert torch.allclose(our_logits, their_logits, atol=LOGIT_ATOL, rtol=0), err
 

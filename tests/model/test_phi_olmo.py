@@ -8,19 +8,26 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_model_reference import LOGIT_ATOL, _greedy, _prefill_logits, _ref_greedy, _reference
-from tp_ranks import executor_for_case, prefill_and_decode, run_two_ranks
+from helpers.families import tiny_checkpoints
+from helpers.reference import (
+    LOGIT_ATOL,
+    float32_engine,
+    greedy,
+    prefill_logits,
+    reference_greedy,
+    reference_model,
+)
+from helpers.tp_ranks import executor_for_case, prefill_and_decode, run_two_ranks
 
 from hotstart import families
-from hotstart.config import EngineConfig, load_model_config
-from hotstart.engine.core import EngineCore
+from hotstart.config import load_model_config
 from hotstart.model import rope
 from hotstart.model.files import weight_files
 from hotstart.model.loader import load_model
 from hotstart.model.parallel import TensorParallel, divisibility_error
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = families.tiny_checkpoints()
+TINY = tiny_checkpoints()
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
 # (name, tiny family, config changes): yarn on Llama and Qwen2 (with DeepSeek-style mscales)
 VARIANTS = {
@@ -28,12 +35,6 @@ VARIANTS = {
     "qwen2-yarn-mscale": ("qwen2", {"rope_scaling": {**YARN, "rope_theta": 10000.0, "factor": 8.0,
                                                      "mscale": 1.0, "mscale_all_dim": 0.7, "beta_fast": 16}}),
 }
-
-
-def _engine(model_dir: Path, max_model_len: int = 1024) -> EngineCore:
-    cfg = EngineConfig(model_path=str(model_dir), weight_files=tuple(str(p) for p in weight_files(model_dir)),
-                       device="cpu", dtype="float32", kv_cache_memory=64 << 20, max_model_len=max_model_len)
-    return EngineCore.build(cfg)
 
 
 def _checkpoint(folder: Path, family: str, **changes) -> Path:
@@ -88,13 +89,13 @@ def test_rope_tables_are_transformers(tiny_checkpoint, variant, name):
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_yarn_checkpoints_match_transformers(variant, name):
     model_dir = variant(name)
-    core, ref = _engine(model_dir), _reference(model_dir)
+    core, ref = float32_engine(model_dir), reference_model(model_dir)
     ids = torch.randint(0, 512, (23,), generator=torch.Generator().manual_seed(2)).tolist()
-    ours = _prefill_logits(core, ids)
+    ours = prefill_logits(core, ids)
     with torch.no_grad():
         theirs = ref(torch.tensor([ids])).logits[0, -1]
     assert torch.allclose(ours, theirs, atol=LOGIT_ATOL, rtol=0), (ours - theirs).abs().max()
-    assert _greedy(core, ids, 24) == _ref_greedy(ref, ids, 24)
+    assert greedy(core, ids, 24) == reference_greedy(ref, ids, 24)
 
 
 def test_longrope_short_factors_within_the_original_context(tiny_checkpoint):
@@ -103,14 +104,14 @@ def test_longrope_short_factors_within_the_original_context(tiny_checkpoint):
     set, checked against transformers by test_model_reference.py with a 23-token prompt)."""
     model_dir = tiny_checkpoint("phi3")
     assert load_model_config(model_dir).rope.original_max_position_embeddings == 6
-    short, ref = _engine(model_dir, max_model_len=6), _reference(model_dir)
+    short, ref = float32_engine(model_dir, max_model_len=6), reference_model(model_dir)
     ids = [5, 77, 301, 12]
-    ours = _prefill_logits(short, ids)
+    ours = prefill_logits(short, ids)
     with torch.no_grad():
         theirs = ref(torch.tensor([ids])).logits[0, -1]
     assert torch.allclose(ours, theirs, atol=LOGIT_ATOL, rtol=0), (ours - theirs).abs().max()
-    assert _greedy(short, ids, 2) == _ref_greedy(ref, ids, 2)
-    long = _prefill_logits(_engine(model_dir), ids)
+    assert greedy(short, ids, 2) == reference_greedy(ref, ids, 2)
+    long = prefill_logits(float32_engine(model_dir), ids)
     assert not torch.allclose(long, ours, atol=1e-2)
 
 
@@ -170,15 +171,16 @@ def test_make_model_plans_the_tensors_transformers_builds():
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from hotstart.bench import make_model as mm
+    from hotstart.bench import model_sizes
 
     for name in ("phi3", "olmo2"):
-        fam = families.by_name(name)
-        for size, shape in fam.sizes.items():
+        fam, made = families.by_name(name), model_sizes.by_name(name)
+        for size, shape in made.sizes.items():
             hidden, inter, _, heads, kv, _, tied = shape
             raw = {"architectures": [fam.architectures[0]], "model_type": fam.model_type,
                    "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": 2,
-                   "num_attention_heads": heads, "num_key_value_heads": kv, **fam.make_config,
-                   **fam.size_config.get(size, {}),
+                   "num_attention_heads": heads, "num_key_value_heads": kv, **made.config,
+                   **made.size_config.get(size, {}),
                    "tie_word_embeddings": tied, "vocab_size": 1024, "pad_token_id": 0, "eos_token_id": 2}
             plan = {n: s for n, s, _ in mm.tensor_plan(raw)}
             kwargs = {k: v for k, v in raw.items() if k != "model_type"}

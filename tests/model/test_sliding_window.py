@@ -8,9 +8,9 @@ import shutil
 
 import pytest
 import torch
-from util import Server, openai_client
+from helpers.families import tiny_checkpoints
+from helpers.server import Server, openai_client
 
-from hotstart import families
 from hotstart.config import EngineConfig
 from hotstart.engine.core import EngineCore
 from hotstart.engine.sequence import Sequence
@@ -19,7 +19,7 @@ from hotstart.model.files import weight_files
 from hotstart.sampling_params import SamplingParams
 
 LOGIT_ATOL = 1e-3
-TINY = families.tiny_checkpoints()
+TINY = tiny_checkpoints()
 # (test id, family, changes to its tiny config): windows of 8 - 16, shorter than the prompts
 CASES = {
     "mistral": ("mistral", {}),

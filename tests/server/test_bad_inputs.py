@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from util import serving
+from helpers.server import serving
 
 pytestmark = pytest.mark.e2e
 

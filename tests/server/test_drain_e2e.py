@@ -9,7 +9,7 @@ import time
 
 import httpx
 import pytest
-from util import Server, Stream, deploy_metric_names
+from helpers.server import Server, Stream, deploy_metric_names
 
 pytestmark = pytest.mark.e2e
 BODY = {"model": "SmolLM2-135M-Instruct", "max_tokens": 24, "ignore_eos": True, "stream": True,

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import httpx
 import psutil
 import torch
-from util import Server
+from helpers.server import Server
 
 from hotstart import heartbeat
 from hotstart.procs import alive

@@ -12,8 +12,9 @@ import time
 import httpx
 import psutil
 import pytest
+from helpers.procs import no_torch_in
+from helpers.server import Server, Stream, deploy_metric_names, serving
 from openai import APIStatusError, NotFoundError, OpenAI
-from util import Server, Stream, deploy_metric_names, no_torch_in, serving
 
 KEY = "test-key"
 ENGINE = ["--max-model-len", "128", "--max-num-seqs", "4", "--dtype", "float32", "--zygote", "off"]

@@ -10,8 +10,8 @@ import shutil
 
 import httpx
 import pytest
+from helpers.server import Server, openai_client, serving
 from openai import OpenAI
-from util import Server, openai_client, serving
 
 pytestmark = pytest.mark.e2e
 

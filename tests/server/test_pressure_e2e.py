@@ -12,7 +12,7 @@ import time
 import httpx
 import psutil
 import pytest
-from util import Server
+from helpers.server import Server
 
 pytestmark = pytest.mark.e2e
 CHAT = {"model": "m", "max_tokens": 2, "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}

@@ -7,7 +7,7 @@ import asyncio
 import json
 
 import pytest
-from util import openai_client, serving
+from helpers.server import openai_client, serving
 
 pytestmark = pytest.mark.e2e
 

@@ -19,7 +19,7 @@ from urllib.parse import quote
 import httpx
 import psutil
 import pytest
-from util import Server, serving
+from helpers.server import Server, serving
 
 from hotstart.boot.default_model import default_model_dir as served_model_folder
 

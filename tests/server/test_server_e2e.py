@@ -13,8 +13,8 @@ import sys
 
 import httpx
 import pytest
+from helpers.server import Server, openai_client, serving
 from openai import OpenAI
-from util import Server, openai_client, serving
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

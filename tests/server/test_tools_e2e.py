@@ -10,9 +10,9 @@ import json
 import jsonschema
 import pytest
 from helpers.models import DATA, make_tiny
+from helpers.server import Server, openai_client, serving
 from openai import OpenAI
 from pydantic import BaseModel, Field
-from util import Server, openai_client, serving
 
 pytestmark = pytest.mark.e2e
 

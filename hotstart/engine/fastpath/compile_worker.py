@@ -90,9 +90,6 @@ def main() -> None:
     folder = Path(job["folder"])
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(folder.parent / "inductor"))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    fail = os.environ.get("HOTSTART_TEST_COMPILE_FAIL")  # tests: a compiler that fails, for real
-    if fail:
-        os.environ["CXX"] = fail
     import torch  # noqa: PLC0415
 
     torch.set_num_threads(1)

@@ -1,31 +1,15 @@
-"""Helpers shared by tests (importable as `util`: pytest puts tests/ on sys.path)."""
+"""A real `hotstart serve` subprocess for the end-to-end tests, and clients of it."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def no_torch_in(module: str) -> tuple[bool, str]:
-    """Import MODULE in a fresh interpreter; report whether torch/transformers got imported."""
-    code = (f"import {module}, sys, json; "
-            "print(json.dumps([m for m in ('torch', 'transformers') if m in sys.modules]))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert out.returncode == 0, out.stderr
-    heavy = json.loads(out.stdout.strip().splitlines()[-1])
-    return not heavy, ",".join(heavy)
+from helpers import REPO
 
 
 def deploy_metric_names() -> set[str]:
@@ -34,21 +18,6 @@ def deploy_metric_names() -> set[str]:
 
     metric = re.compile(r"\b(vllm:[a-z_:]+|hotstart_[a-z_]+)")
     return {n for f in (REPO / "deploy").rglob("*") if f.is_file() for n in metric.findall(f.read_text())}
-
-
-def tagged(tag: str) -> list:
-    """Live processes whose environment carries HOTSTART_TEST_TAG=TAG (inherited by every descendant,
-    so leftovers are found even after they were re-parented)."""
-    import psutil
-
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get("HOTSTART_TEST_TAG") == tag:
-                found.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            pass
-    return found
 
 
 class Server:
@@ -151,70 +120,3 @@ def openai_client(server: Server, timeout: float = 120):
     from openai import OpenAI
 
     return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
-
-
-@contextlib.contextmanager
-def disk_backed_dir(tmp_path_factory, name: str):
-    """A disk-backed directory to evict files from: pytest's tmp if it is not tmpfs, else one under
-    /var/tmp (skips the test if that is memory too); removed afterwards."""
-    import pytest
-
-    from hotstart.boot import storage
-
-    d = tmp_path_factory.mktemp(name)
-    if storage.detect(d).kind == "memory":
-        d = Path(tempfile.mkdtemp(prefix="hotstart-test-", dir="/var/tmp"))
-        if storage.detect(d).kind == "memory":
-            pytest.skip("no disk-backed directory to evict from")
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
-
-
-def run_session(cmd: list[str], timeout: float, env: dict | None = None, merge_stderr: bool = False,
-                cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """Run CMD in its own session; past TIMEOUT the whole group is killed (nothing outlives a test) and
-    TimeoutExpired is raised."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, "" if merge_stderr else err)
-
-
-def greedy_batch(core, logits: list | None = None, max_tokens: tuple[int, ...] = (24, 24, 24, 24),
-                 ignore_eos: bool = False) -> dict[str, list[int]]:
-    """Greedy requests of different prompt lengths (one per MAX_TOKENS entry, that many tokens each,
-    fewer if one samples EOS unless IGNORE_EOS), batched on the EngineCore CORE until done: prefills,
-    then decodes of as many sequences as are left. LOGITS, if given, gets the logits of every step (for
-    tolerance checks). -> tokens per request index."""
-    from hotstart.messages import EngineRequest
-    from hotstart.sampling_params import SamplingParams
-
-    tag = time.monotonic_ns()
-    for i, n in enumerate(max_tokens):
-        core.add_request(EngineRequest(f"{i}-{tag}", list(range(3, 11 + 3 * i)),
-                                       SamplingParams(max_tokens=n, temperature=0, ignore_eos=ignore_eos)))
-    out: dict[str, list[int]] = {}
-    runner_forward = core.runner.forward
-
-    def keep(batch, want, *rest):
-        x = runner_forward(batch, want, *rest)
-        if logits is not None and x is not None:
-            logits.append(x.clone())
-        return x
-
-    core.runner.forward = keep
-    try:
-        while core.has_work():
-            for o in core.step():
-                out.setdefault(o.request_id.split("-")[0], []).extend(o.new_token_ids)
-    finally:
-        core.runner.forward = runner_forward
-    return out

@@ -1,9 +1,9 @@
-"""One rank of a tensor-parallel group for tests/test_tensor_parallel.py (run as a script, one process per
+"""One rank of a tensor-parallel group for the tensor-parallel tests (run as a script, one process per
 rank): join the group through INIT_FILE, then for each case build this rank's part of the model the way
 the engine does and run a prefill and a decode step driven by rank 0's broadcasts; rank 0 saves the
 gathered logits to OUT.
 
-    python tests/tp_ranks.py RANK WORLD INIT_FILE CASES_JSON OUT
+    python tests/helpers/tp_ranks.py RANK WORLD INIT_FILE CASES_JSON OUT
 CASES_JSON: [{"name", "model", "fused", "ids"}]. fused=True: the GPU layout (FusedLinear) on the CPU.
 """
 
@@ -53,7 +53,7 @@ def run_two_ranks(cases: list[dict], folder: Path, timeout: float) -> dict:
     """CASES through two ranks of this script (one process each, a FileStore in FOLDER): name -> the
     [first, second] logits of rank 0 (prefill_and_decode's)."""
     out, init = folder / "logits.pt", folder / "rendezvous"
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     argv = [json.dumps(cases), str(out)]
     procs = [subprocess.Popen([sys.executable, __file__, str(rank), "2", str(init), *argv],
                               env={**os.environ, "PYTHONPATH": str(repo)})
