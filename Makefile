@@ -32,13 +32,17 @@ nginx:
 	    echo "nginx could not be installed: the rolling-restart test will be skipped"; \
 	  else echo "nginx is not installed: the rolling-restart test will be skipped"; fi; }
 
+# test workers: one per core, at most 4 (each starts servers of its own; tests/conftest.py gives each
+# worker's torch one thread)
+JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
+
 # everything: the linter, then every test (the README's test command, and CI's)
 test: setup lint nginx
-	$(PY) -m pytest -q tests $(ARGS)
+	$(PY) -m pytest -q -n $(JOBS) tests $(ARGS)
 
 # the fast tier: no test that starts a process or a server (tests/conftest.py marks those e2e)
 test-fast: setup
-	$(PY) -m pytest -q -m "not e2e" tests $(ARGS)
+	$(PY) -m pytest -q -n $(JOBS) -m "not e2e" tests $(ARGS)
 
 # Peer servers (vLLM CPU, llama.cpp, transformers serve) in venvs outside the repo, for
 # `hotstart bench startup --peer`: see benchmarks/peers/README.md (ARGS="--smoke", "--check", "--only vllm").

@@ -15,6 +15,16 @@ TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (make test runs the suite in one worker per core) each worker's torch, and every
+    server it starts, computes on one thread: two workers x two OpenMP threads spinning on two cores made
+    every CPU-bound test several times slower (OpenMP's busy waits under oversubscription)."""
+    import os
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def private_runtime_dir():
     """Every server of the suite looks for a zygote in an empty folder of its own, so a zygote the user

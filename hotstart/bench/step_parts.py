@@ -49,6 +49,8 @@ ORDERS = {"type": "array", "minItems": 50, "items": ORDER, "$defs": {"address": 
 def _params(max_tokens: int, **extra):
     from hotstart.sampling_params import SamplingParams
 
+    if "min_tokens" in extra:  # eos masked for the whole run: never more than max_tokens (vLLM's rule too)
+        extra["min_tokens"] = min(extra["min_tokens"], max_tokens)
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **extra)
 
 

@@ -168,7 +168,7 @@ def serving_maker(cfg: ServeConfig, drain, store):
     """make_serving(rec): the OpenAIServing of a loaded model (its metrics kept across loads), with the
     server's DRAIN (server/gate.py) and Responses STORE (one for every model)."""
     from hotstart.frontend.metrics import Metrics  # noqa: PLC0415
-    from hotstart.frontend.validation import sampling_defaults  # noqa: PLC0415
+    from hotstart.frontend.sampling import sampling_defaults  # noqa: PLC0415
     from hotstart.server.api import ApiSettings, OpenAIServing  # noqa: PLC0415
 
     def make(rec: ModelRecord):

@@ -292,7 +292,7 @@ def test_peer_credentials_and_identity_are_compared():
                            ({"hotstart_path": "/elsewhere"}, "another hotstart checkout"),
                            ({"torch_version": "1.0"}, "another torch"),
                            ({"stale": "hotstart/engine/core.py"}, "stale: hotstart/engine/core.py"),
-                           ({"import_env": {**me.import_env, "OMP_NUM_THREADS": "1"}}, "OMP_NUM_THREADS")]:
+                           ({"import_env": {**me.import_env, "OMP_NUM_THREADS": "97"}}, "OMP_NUM_THREADS")]:
         assert needle in mismatch(msgspec.structs.replace(good, **change), me), change
 
 

@@ -9,8 +9,8 @@ from hotstart.config import EngineConfig
 from hotstart.engine.core import EngineCore
 from hotstart.engine.sequence import Sequence
 from hotstart.messages import EngineRequest
-from hotstart.sampling_params import SamplingParams
 from hotstart.model.files import weight_files
+from hotstart.sampling_params import SamplingParams
 
 LOGIT_ATOL = 1e-3  # float32 on both sides; differences come from op order only
 

@@ -32,7 +32,7 @@ def tiny_model(tiny_checkpoint, default_model_dir, tmp_path_factory):
 
 
 def _pids(llm: LLM) -> list[int]:
-    launcher = llm._handle.launcher
+    launcher = llm._handle.start.launcher
     pids = [*launcher.engine_pids.values()]
     if launcher.server is not None:
         pids.append(launcher.server.pid)

@@ -18,7 +18,6 @@ from hotstart.config import EngineConfig, load_model_config
 from hotstart.engine.core import EngineCore
 from hotstart.engine.model_runner import ModelRunner
 from hotstart.model.files import weight_files
-from hotstart.sampling_params import SamplingParams
 
 # every registered family (hotstart/families.py), and the first one sharded too (several files, an index)
 CASES = [(name, False) for name in families.names()] + [(families.names()[0], True)]
