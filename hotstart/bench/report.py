@@ -9,6 +9,7 @@ import statistics
 from pathlib import Path
 
 from hotstart.bench.floor import IMPORTS_ALONE
+from hotstart.bench.report_read import read_table
 
 COST_GOAL = 1.15  # the start's own cost (t_first - t_repeat) against the floor: the goal's column
 
@@ -243,6 +244,7 @@ def format_table(rows: list[dict], data: dict | None = None) -> str:
         )
     if data is not None:
         lines += import_table(data)
+        lines += read_table(data)
         lines += ["", "Answers (every run, warm-up included):", ""]
         for label, a in answers(data).items():
             given = "; ".join(f"{text!r} x{n}" for text, n in a["answers"].items()) or "none"

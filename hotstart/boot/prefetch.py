@@ -28,14 +28,17 @@ from hotstart.boot.iosched import IOPRIO_CLASS_BE, IOPRIO_CLASS_IDLE, set_io_cla
 from hotstart.boot.populate import populator
 from hotstart.boot.residency import LOW_BIT, PAGE_SIZE, FileMap, pages
 from hotstart.boot.storage import PrefetchPlan
+from hotstart.boot.tuner import ThreadTuner
 from hotstart.model.cursor import LoadCursor
 
 # Resident gaps shorter than this inside a block are read through rather than splitting the read:
 # copying a cached page costs far less than another syscall and a break in the disk's stream.
 MERGE_GAP = 1 << 20
-# Bounded sleep while ahead of the loader (or while another thread opens a file): short enough to
-# follow a loader reading from cache, long enough not to keep taking the GIL from the main thread.
+# Bounded sleep while ahead of the loader (or while another thread opens a file, or while parked by
+# the tuner): short enough to follow a loader reading from cache, long enough not to keep taking the GIL
+# from the main thread.
 POLL_S = 0.02
+TUNE_EVERY_S = 0.05  # how often the thread count is reconsidered (boot/tuner.py)
 _WAIT = object()
 
 
@@ -67,6 +70,11 @@ class Prefetcher:
         block = min(plan.block_bytes, self._window) if cursor is not None else plan.block_bytes
         self._block = max(PAGE_SIZE, block // PAGE_SIZE * PAGE_SIZE)
         self._ahead = plan.ahead_bytes
+        # threads reading at once: plan.threads at first, up to plan.max_threads as the storage allows
+        self._tuner = ThreadTuner(plan.threads, max(plan.threads, plan.max_threads))
+        self._active = self._tuner.threads
+        self._waited = False  # a reader waited for the loader since the tuner last looked
+        self._tuned_at = 0.0
         populator(plan.method, PAGE_SIZE, plan.chunk_bytes)  # an unknown method fails here, in the caller
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -105,15 +113,15 @@ class Prefetcher:
                 return self
             self._state = "running"
             self._t_start = time.monotonic()
-            self._alive = self.plan.threads
-        for i in range(self.plan.threads):
-            t = threading.Thread(target=self._run, name=f"hotstart-prefetch-{i}", daemon=True)
+            self._alive = n = self._tuner.most
+        for i in range(n):
+            t = threading.Thread(target=self._run, args=(i,), name=f"hotstart-prefetch-{i}", daemon=True)
             try:
                 t.start()
             except RuntimeError as e:  # can't start a thread (limits): run with fewer, or none
                 with self._lock:
                     self._record_error("prefetch", e)
-                    self._alive -= self.plan.threads - i
+                    self._alive -= n - i
                     if self._alive == 0:
                         self._state, self._t_end = "stopped", time.monotonic()
                         self._finished.set()
@@ -145,7 +153,8 @@ class Prefetcher:
                 "errors": self._errors, "first_error": self._first_error,
                 "elapsed_s": round(elapsed, 6),
                 "gbps": round(self._read / elapsed / 1e9, 3) if elapsed else 0.0,
-                "frontier": self._next, "threads": self.plan.threads, "block_bytes": self._block,
+                "frontier": self._next, "threads": self._active, "threads_max": self._tuner.most,
+                "threads_trace": list(self._tuner.trace), "block_bytes": self._block,
                 "window_bytes": self._window, "ahead_bytes": self._ahead, "method": self.plan.method,
                 "loader_position": self._cursor.position() if self._cursor is not None else -1,
             }
@@ -182,9 +191,11 @@ class Prefetcher:
                 continue
             n = min(self._block, end - self._next)
             if pos >= 0 and self._next + n > pos + self._window:
+                self._waited = True
                 return _WAIT  # far enough ahead of the loader
             if self._ahead is not None and self._next + n > max(pos, 0) + self._ahead:
                 # the RAM guard's bound: wait for the loader (nothing to wait for without a cursor)
+                self._waited = True
                 return _WAIT if self._cursor is not None else None
             if f.state == "new":
                 f.state = "opening"
@@ -266,7 +277,15 @@ class Prefetcher:
         with self._lock:
             self._skip_resident += n - sum(length for _, length in runs)
 
-    def _run(self) -> None:
+    def _tune(self, importing: bool) -> None:
+        """Under the lock: let the tuner set how many threads read (the others park)."""
+        now = time.monotonic()
+        if now - self._tuned_at >= TUNE_EVERY_S:
+            self._tuned_at = now
+            self._active = self._tuner.observe(now, self._read, self._waited, importing)
+            self._waited = False
+
+    def _run(self, index: int) -> None:
         try:
             pop = populator(
                 self.plan.method, self._block, self.plan.chunk_bytes
@@ -280,7 +299,11 @@ class Prefetcher:
                     set_io_class(IOPRIO_CLASS_BE)
                     idle_io = False
                 with self._lock:
-                    work = self._claim()
+                    self._tune(idle_io)
+                    if index >= self._active:  # parked by the tuner: more readers would not read faster
+                        work = _WAIT if self._fi < len(self._files) else None
+                    else:
+                        work = self._claim()
                 self._close_detached()
                 if work is None:
                     break

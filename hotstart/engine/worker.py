@@ -138,7 +138,7 @@ def run_engine(cfg: EngineConfig, addresses: EngineAddresses, rank: int = 0, wor
     fast = FastPath(core, cfg.compile, cfg.compile_bucket_sizes(), send)
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
-    running = True
+    running = first_step = True
     while running:
         timeout = (
             0
@@ -171,12 +171,16 @@ def run_engine(cfg: EngineConfig, addresses: EngineAddresses, rank: int = 0, wor
                     running = False
         if running and core.has_work():
             heart.step_began()
+            began = time.time()
             try:
                 outputs = core.step()
             except RuntimeError as e:
                 core.executor.step_failed(e)
             heart.step_ended()
             send(StepOutputs(outputs, core.stats()))
+            if first_step:  # its one-time costs (first touches, kernel set-up) show on the timeline
+                first_step = False
+                send(Span("first step", began, time.time(), "engine", f"{core.stats().num_running} running"))
         else:
             core.executor.heartbeat()
         if running:

@@ -106,7 +106,7 @@ class OpenAIServing:
         self.vocab_size = settings.vocab_size or getattr(tokenizer, "vocab_size", None)
         template = getattr(tokenizer, "chat_template_source", lambda tools: None)(True)
         self.tool_parser = settings.tool_call_parser or detect_parser(template)
-        self._served_once = False
+        self._served_once = self._received_once = False
 
     # --- checks and helpers --------------------------------------------------------------------
     @property
@@ -205,6 +205,10 @@ class OpenAIServing:
     def generation(self, rid: str, ids: list[int], params: SamplingParams, stops: list[str],
                    t0: float) -> Generation:
         """An accepted request's Generation (its prompt tokens counted; a forced drain interrupts it)."""
+        if not self._received_once:  # with "first request served": the first request's own time
+            self._received_once = True
+            self.engine.timeline.add("first request received", time.time() - (time.perf_counter() - t0),
+                                     time.time(), "api", f"{len(ids)} prompt tokens")
         self.metrics.prompt_tokens.inc(len(ids))
         self.metrics.vllm.prompt_tokens.labels(self.metrics.model_name).inc(len(ids))
         gen = Generation(self.engine, self.tokenizer, rid, ids, params, stops, self.metrics, t0,
