@@ -1,0 +1,163 @@
+"""Reachable only by whom it should be (server/access.py, server/gate.py), against real servers: a keyless
+server (this machine's users) refuses a foreign Host (DNS rebinding), a POST without a JSON content type
+and a cross-origin browser request, unless --allowed-hosts / --allowed-origins say otherwise (then with
+CORS); a keyed one serves /metrics without the key on --metrics-port only; with --admin-key, loading,
+unloading and `keep_alive` are the admin's; stored responses are the key's that made them (GET, DELETE)."""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from helpers.server import serving
+from openai import NotFoundError, OpenAI
+
+MODEL = "SmolLM2-135M-Instruct"
+KEY, ADMIN = "sk-user-5Jq2", "sk-admin-8Wd4"
+HI = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+FOREIGN = ["evil.example", "evil.example:8000", "127.0.0.1.nip.io", "localhost.evil.example", "EVIL.example.",
+           "llm.internal.evil.example", "xcorp.example"]
+
+
+@pytest.fixture(scope="module")
+def keyless(default_model_dir):
+    yield from serving("--max-model-len", "256", "--allowed-hosts", "llm.internal,.corp.example",
+                       "--allowed-origins", "http://app.example")
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory):
+    """Several models (one tiny one, loaded on demand), an API key, an admin key, a metrics port."""
+    root = tmp_path_factory.mktemp("reach-models")
+    cmd = [sys.executable, "-m", "hotstart", "make-model", "--family", "qwen2", "--size", "tiny", "--dtype",
+           "float32", "--out", str(root / "tiny")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    yield from serving("--model-dir", str(root), "--max-model-len", "128", "--max-num-seqs", "2", "--zygote",
+                       "off", "--metrics-port", "0",
+                       env={"HOTSTART_API_KEY": KEY, "HOTSTART_ADMIN_KEY": ADMIN})
+
+
+def refused(r: httpx.Response, status: int, code: str, param: str) -> None:
+    assert r.status_code == status, (r.status_code, r.text[:300])
+    err = r.json()["error"]
+    assert err["code"] == code and err["param"] == param and err["type"] == "invalid_request_error", err
+    assert "access-control-allow-origin" not in r.headers
+
+
+def test_a_foreign_host_is_refused_and_this_machines_names_are_served(keyless):
+    port = keyless.url.rsplit(":", 1)[1]
+    with httpx.Client(base_url=keyless.url, timeout=60) as c:
+        for host in FOREIGN:
+            refused(c.get("/v1/models", headers={"Host": host}), 403, "host_not_allowed", "Host")
+            refused(c.post("/v1/chat/completions", json=HI, headers={"Host": host}), 403, "host_not_allowed",
+                    "Host")
+        for host in ("localhost", f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", "api.localhost",
+                     socket.gethostname(), "llm.internal", "LLM.internal.", "a.corp.example", "corp.example"):
+            r = c.get("/v1/models", headers={"Host": host})
+            assert r.status_code == 200, (host, r.text[:200])
+        assert c.post("/v1/chat/completions", json=HI, headers={"Host": "llm.internal"}).status_code == 200
+
+
+def test_a_post_without_a_json_content_type_is_refused(keyless):
+    body = b'{"model": "%s", "prompt": "hi", "max_tokens": 1}' % MODEL.encode()
+    with httpx.Client(base_url=keyless.url, timeout=60) as c:
+        for ctype in (None, "text/plain", "application/x-www-form-urlencoded",
+                      "multipart/form-data; boundary=x", "text/json", "application/jsonp"):
+            headers = {} if ctype is None else {"content-type": ctype}
+            r = c.post("/v1/completions", content=body, headers=headers)
+            refused(r, 415, "unsupported_media_type", "Content-Type")
+            assert f"got `{(ctype or 'none').split(';')[0]}`" in r.json()["error"]["message"]
+        for ctype in ("application/json", "Application/JSON; charset=utf-8"):
+            assert c.post("/v1/completions", content=body, headers={"content-type": ctype}).status_code == 200
+
+
+def test_cross_origin_browser_requests_are_refused_unless_allowed(keyless):
+    port = int(keyless.url.rsplit(":", 1)[1])
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"}
+    with httpx.Client(base_url=keyless.url, timeout=60) as c:
+        for headers in ({"Origin": "http://evil.example"}, {"Origin": "null"},
+                        {"Origin": f"http://127.0.0.1:{port + 1}"}, {"Sec-Fetch-Site": "cross-site"},
+                        {"Sec-Fetch-Site": "same-site", "Origin": f"http://localhost:{port + 1}"},
+                        {"Origin": "http://app.example.evil"}):
+            refused(c.get("/v1/models", headers=headers), 403, "cross_origin_refused", "Origin")
+            refused(c.post("/v1/chat/completions", json=HI, headers=headers), 403, "cross_origin_refused",
+                    "Origin")
+        r = c.options("/v1/chat/completions", headers={"Origin": "http://evil.example", **preflight})
+        refused(r, 403, "cross_origin_refused", "Origin")
+        # its own pages, the address bar, and the one allowed origin (with CORS headers)
+        for headers in ({"Origin": keyless.url}, {"Sec-Fetch-Site": "same-origin", "Origin": keyless.url},
+                        {"Sec-Fetch-Site": "none"}):
+            assert c.get("/v1/models", headers=headers).status_code == 200, headers
+        r = c.post("/v1/chat/completions", json=HI, headers={"Origin": "http://app.example"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.example"
+        r = c.options("/v1/chat/completions", headers={"Origin": "http://app.example", **preflight})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.example"
+        assert "POST" in r.headers["access-control-allow-methods"]
+
+
+def test_stored_responses_can_be_read_and_deleted(keyless):
+    c = OpenAI(base_url=keyless.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    made = c.responses.create(model=MODEL, input="hi", max_output_tokens=2, temperature=0)
+    assert c.responses.retrieve(made.id).output_text == made.output_text
+    c.responses.delete(made.id)
+    with pytest.raises(NotFoundError):
+        c.responses.retrieve(made.id)
+    with pytest.raises(NotFoundError):
+        c.responses.delete(made.id)
+
+
+def metrics_url(server) -> str:
+    return re.search(r"without the key at (http://\S+/metrics)", server.output)[1]
+
+
+def test_prometheus_scrapes_the_metrics_port_without_the_key(keyed):
+    assert httpx.get(keyed.url + "/metrics").status_code == 401  # the API's port keeps the key
+    r = httpx.get(metrics_url(keyed), timeout=30)
+    assert r.status_code == 200 and "hotstart_model_state" in r.text, r.text[:300]
+    base = metrics_url(keyed).removesuffix("/metrics")
+    for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/health"),
+                         ("POST", "/v1/models/tiny/load")):
+        r = httpx.request(method, base + path, json={})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", r.text
+
+
+def test_admin_routes_and_keep_alive_need_the_admin_key(keyed):
+    user, admin = ({"Authorization": f"Bearer {k}"} for k in (KEY, ADMIN))
+    url = keyed.url + "/v1/models/tiny"
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    with httpx.Client(base_url=keyed.url, timeout=120) as c:
+        refused(c.post(url + "/load", json={}, headers=user), 403, "admin_key_required", None)
+        refused(c.post("/v1/completions", json={**body, "keep_alive": 0}, headers=user), 403,
+                "admin_key_required", "keep_alive")
+        assert c.post(url + "/load", json={}, headers=admin).json()["state"] == "loaded"
+        assert c.post("/v1/completions", json=body, headers=user).status_code == 200  # inference: the API key
+        refused(c.post(url + "/unload", json={}, headers=user), 403, "admin_key_required", None)
+        r = c.post("/v1/completions", json={**body, "keep_alive": 0}, headers=admin)  # unloads after it
+        assert r.status_code == 200
+        deadline = time.monotonic() + 30
+        while c.get(url, headers=user).json()["state"] != "unloaded" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert c.get(url, headers=user).json()["state"] == "unloaded"
+
+
+def test_stored_responses_are_the_keys_that_made_them(keyed):
+    mine, theirs = (OpenAI(base_url=keyed.url + "/v1", api_key=k, max_retries=0, timeout=120)
+                    for k in (KEY, ADMIN))
+    made = mine.responses.create(model="tiny", input="hi", max_output_tokens=2)
+    for attempt in (lambda: theirs.responses.retrieve(made.id), lambda: theirs.responses.delete(made.id),
+                    lambda: theirs.responses.create(model="tiny", input="go", previous_response_id=made.id)):
+        with pytest.raises(NotFoundError):
+            attempt()
+    assert mine.responses.retrieve(made.id).id == made.id
+    follow = mine.responses.create(model="tiny", input="go", previous_response_id=made.id,
+                                   max_output_tokens=2)
+    assert follow.previous_response_id == made.id
+    mine.responses.delete(made.id)
+    with pytest.raises(NotFoundError):
+        mine.responses.retrieve(made.id)
