@@ -82,7 +82,7 @@ def host_name(header: bytes) -> str:
 class Access:
     """The gate's reach rules for one server: KEYED (an API key is set), ALLOWED_HOSTS (--allowed-hosts:
     names, `.suffix` for a domain and its subdomains, `*` for any; None: not given), ALLOWED_ORIGINS
-    (--allowed-origins: `scheme://host[:port]`, `*` for any)."""
+    (--allowed-origins: `scheme://host[:port]`, `scheme://*` for every origin of a scheme, `*` for any)."""
 
     def __init__(self, keyed: bool = False, allowed_hosts: Iterable[str] | None = None,
                  allowed_origins: Iterable[str] | None = None) -> None:
@@ -100,7 +100,10 @@ class Access:
         return any(h.startswith(".") and (name.endswith(h) or name == h[1:]) for h in self.hosts)
 
     def origin_allowed(self, origin: str) -> bool:
-        return "*" in self.origins or origin.rstrip("/").lower() in self.origins
+        """ORIGIN is listed, or its scheme is (`vscode-webview://*`), or `*` is."""
+        origin = origin.rstrip("/").lower()
+        scheme = origin.partition("://")[0]
+        return "*" in self.origins or origin in self.origins or f"{scheme}://*" in self.origins
 
     def refusal(self, scope) -> RequestError | None:
         """Why SCOPE's request is refused before its key is looked at (403: Host, Origin), or None."""
@@ -159,8 +162,8 @@ class Cors:
         from starlette.middleware.cors import CORSMiddleware  # noqa: PLC0415 - only with --allowed-origins
 
         self.app, self.access = app, access
-        origins = ["*"] if "*" in access.origins else sorted(access.origins)
-        self.cors = CORSMiddleware(app, allow_origins=origins, allow_methods=list(CORS_METHODS),
+        # only allowed origins get here (__call__): it echoes each one back, with Vary: Origin
+        self.cors = CORSMiddleware(app, allow_origin_regex=".*", allow_methods=list(CORS_METHODS),
                                    allow_headers=list(CORS_HEADERS), max_age=600)
 
     async def __call__(self, scope, receive, send) -> None:

@@ -27,7 +27,7 @@ FOREIGN = ["evil.example", "evil.example:8000", "127.0.0.1.nip.io", "localhost.e
 @pytest.fixture(scope="module")
 def keyless(default_model_dir):
     yield from serving("--max-model-len", "256", "--allowed-hosts", "llm.internal,.corp.example",
-                       "--allowed-origins", "http://app.example")
+                       "--allowed-origins", "http://app.example", "--allowed-origins", "vscode-webview://*")
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +99,8 @@ def test_cross_origin_browser_requests_are_refused_unless_allowed(keyless):
         r = c.options("/v1/chat/completions", headers={"Origin": "http://app.example", **preflight})
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.example"
         assert "POST" in r.headers["access-control-allow-methods"]
+        r = c.get("/v1/models", headers={"Origin": "vscode-webview://4f2a", "Sec-Fetch-Site": "cross-site"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "vscode-webview://4f2a"
 
 
 def test_stored_responses_can_be_read_and_deleted(keyless):
