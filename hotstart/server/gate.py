@@ -182,13 +182,13 @@ class Gate:
                                    code="invalid_api_key")
                 return await error_response(err)(scope, receive, send_counted)
             scope["hotstart.caller"] = who
-            refusal = self.access.content_refusal(scope) if self.access is not None else None
-            if refusal is not None:
-                return await error_response(refusal)(scope, receive, send_counted)
             if who is not None and not who.admin and ADMIN_PATHS.fullmatch(path):
                 err = RequestError(403, "loading and unloading models needs the admin key (--admin-key)",
                                    code="admin_key_required")
                 return await error_response(err)(scope, receive, send_counted)
+            refusal = self.access.content_refusal(scope) if self.access is not None else None
+            if refusal is not None:
+                return await error_response(refusal)(scope, receive, send_counted)
             if drain.draining and (counted or path == "/health"):
                 resp = drain.refusal() if counted else drain.health()
                 return await resp(scope, receive, send_counted)
