@@ -2,11 +2,14 @@
 server (this machine's users) refuses a foreign Host (DNS rebinding), a POST without a JSON content type
 and a cross-origin browser request, unless --allowed-hosts / --allowed-origins say otherwise (then with
 CORS); a keyed one serves /metrics without the key on --metrics-port only; with --admin-key, loading,
-unloading and `keep_alive` are the admin's; stored responses are the key's that made them (GET, DELETE)."""
+unloading and `keep_alive` are the admin's; stored responses are the key's that made them (GET, DELETE).
+The keyless server also runs with a $HOTSTART_HOME others may write, holding a planted kernel library
+(hotstart/trust.py): it warns, never loads it, and serves."""
 
 from __future__ import annotations
 
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -24,10 +27,44 @@ FOREIGN = ["evil.example", "evil.example:8000", "127.0.0.1.nip.io", "localhost.e
            "llm.internal.evil.example", "xcorp.example"]
 
 
+PLANTED = r"""
+#include <fcntl.h>
+__attribute__((constructor)) static void planted(void) { close(open(MARKER, O_CREAT | O_WRONLY, 0600)); }
+"""
+
+
 @pytest.fixture(scope="module")
-def keyless(default_model_dir):
-    yield from serving("--max-model-len", "256", "--allowed-hosts", "llm.internal,.corp.example",
-                       "--allowed-origins", "http://app.example", "--allowed-origins", "vscode-webview://*")
+def planted_home(tmp_path_factory):
+    """A $HOTSTART_HOME others may write (0777), holding the CPU kernels' library where the engine looks,
+    with a matching hash record: a real library whose constructor leaves MARKER if anything loads it."""
+    from hotstart import diskio, trust
+    from hotstart.model import cpu_kernels
+
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler to build the planted library")
+    root = tmp_path_factory.mktemp("planted")
+    home, marker = root / "home", root / "loaded"
+    trust.make_private_dir(home)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HOTSTART_HOME", str(home))
+        lib = cpu_kernels.library_path()
+    trust.make_private_dir(lib.parent)
+    (root / "planted.c").write_text(f'#define MARKER "{marker}"\n#include <unistd.h>\n{PLANTED}')
+    tmp = diskio.temp_name(lib)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(tmp), str(root / "planted.c")], check=True,
+                   timeout=60)
+    diskio.publish_recorded(tmp, lib)
+    home.chmod(0o777)
+    return home, marker
+
+
+@pytest.fixture(scope="module")
+def keyless(default_model_dir, planted_home):
+    home, _ = planted_home
+    yield from serving(str(default_model_dir), "--served-model-name", MODEL, "--max-model-len", "256",
+                       "--allowed-hosts", "llm.internal,.corp.example", "--allowed-origins", "http://app.example",
+                       "--allowed-origins", "vscode-webview://*", "--compile", "eager-only",
+                       env={"HOTSTART_HOME": str(home)})
 
 
 @pytest.fixture(scope="module")
@@ -163,3 +200,18 @@ def test_stored_responses_are_the_keys_that_made_them(keyed):
     mine.responses.delete(made.id)
     with pytest.raises(NotFoundError):
         mine.responses.retrieve(made.id)
+
+
+def test_native_code_in_a_home_others_may_write_is_never_loaded(keyless, planted_home):
+    _, marker = planted_home
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        fast = httpx.get(keyless.url + "/startup", timeout=10).json().get("fast_path") or {}
+        if fast.get("packing") not in (None, "planned", "packing"):
+            break
+        time.sleep(0.2)
+    assert "open to other users" in fast.get("packing_detail", ""), fast  # why no CPU kernels
+    assert not marker.exists(), "the planted library was loaded"
+    warnings = [line for line in keyless.lines if "WARNING" in line and "HOTSTART_HOME" in line]
+    assert len(warnings) == 1 and "open to other users" in warnings[0], keyless.output[-2000:]
+    assert httpx.post(keyless.url + "/v1/chat/completions", json=HI, timeout=60).status_code == 200
