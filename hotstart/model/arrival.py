@@ -36,6 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from hotstart.diskio import temp_name
 from hotstart.errors import WeightsError
 
 MAGIC = b"HSARRIV1"
@@ -90,7 +91,7 @@ class ArrivalState:
         head[:8] = MAGIC
         struct.pack_into("<qqqqqq", head, 8, size, chunk, 0, DOWNLOADING, time.time_ns(), os.getpid())
         head[ETAG_AT : ETAG_AT + ETAG_LEN] = etag.encode()[:ETAG_LEN].ljust(ETAG_LEN, b"\0")
-        tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
+        tmp = temp_name(Path(path))  # host-pid-random: pods sharing the cache volume never collide
         with open(tmp, "wb") as f:
             f.write(bytes(head) + bytes(nchunks))
         os.replace(tmp, path)

@@ -23,11 +23,12 @@ The kernel reads the checkpoint's own [out, in] weights (no copy): sibling proje
 go in one call as segments, side by side in the output, as PackedGroup's stacked oneDNN weight does.
 
 The library is built once per source, compiler and host by `g++ -O3 -fopenmp -shared` (~1 s) into
-$HOTSTART_HOME/kernels/, in a child process behind READY (engine/fastpath/builder.py), and loaded with
-ctypes: no torch headers, no inductor. Its OpenMP runtime is the one torch has loaded (same soname), so
-it runs on torch's threads. float32 results equal F.linear's up to accumulation order; bfloat16 ones
-within bf16's own error of the float32 model; decode attention equals the torch path's within float32
-accumulation order (tests/model/test_cpu_kernels.py).
+$HOTSTART_HOME/kernels/ with its sha256 beside it, in a child process behind READY
+(engine/fastpath/builder.py), and loaded with ctypes only if it verifies (hotstart/trust.py: ours, no one
+else's to write, the recorded hash): no torch headers, no inductor. Its OpenMP runtime is the one torch
+has loaded (same soname), so it runs on torch's threads. float32 results equal F.linear's up to
+accumulation order; bfloat16 ones within bf16's own error of the float32 model; decode attention equals
+the torch path's within float32 accumulation order (tests/model/test_cpu_kernels.py).
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ from pathlib import Path
 
 import torch
 
-from hotstart.diskio import publish
+from hotstart.diskio import publish_recorded, temp_name
 from hotstart.system import cpu_flags, hotstart_home
+from hotstart.trust import make_private_dir, open_verified, verified_problem
 
 KERNELS = Path(__file__).with_name("kernels")
 # compiled (common.h included)
@@ -109,8 +111,14 @@ def library_path() -> Path:
 
 
 def staging_path(path: Path) -> Path:
-    """The temporary name a build of PATH writes, then publishes (diskio.publish) as PATH."""
-    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    """The temporary name a build of PATH writes, then publishes (diskio.publish_recorded) as PATH: unique
+    across the pods that share a cache volume."""
+    return temp_name(path)
+
+
+def verified(path: Path) -> str | None:
+    """None if the library at PATH may be loaded (trust.open_verified); else why not."""
+    return verified_problem(path, hotstart_home())
 
 
 def build_command(out: Path) -> list[str]:
@@ -122,25 +130,30 @@ def build(timeout_s: float = 120.0) -> Path:
     """Build the library now if it is not built (the step bench, tests); the engine builds it in a
     child process instead (engine/fastpath/builder.py). Raises RuntimeError with the compiler's words."""
     path = library_path()
-    if path.exists():
+    if path.exists() and verified(path) is None:
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_private_dir(path.parent)
     tmp = staging_path(path)
     try:
         done = subprocess.run(build_command(tmp), capture_output=True, text=True, timeout=timeout_s,
                               stdin=subprocess.DEVNULL)
         if done.returncode != 0:
             raise RuntimeError(f"g++ failed: {done.stderr.strip()[-500:]}")
-        publish(tmp, path)
+        publish_recorded(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     return path
 
 
 def load(path: Path | str) -> None:
-    """Load a built library (after torch: its OpenMP runtime is then torch's own)."""
+    """Load a built library (after torch: its OpenMP runtime is then torch's own) if it verifies: the
+    bytes hashed are the bytes dlopen'ed (through the verified fd). PermissionError says why not."""
     global _lib, _fn
-    lib = ctypes.CDLL(str(path))
+    fd = open_verified(Path(path), hotstart_home())
+    try:
+        lib = ctypes.CDLL(f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else str(path))
+    finally:
+        os.close(fd)
     if lib.hs_gemv_abi() != 1:
         raise RuntimeError(f"{path}: unknown kernel ABI")
     fn = lib.hs_gemv

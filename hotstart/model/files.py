@@ -4,6 +4,7 @@ the API process, the loader and the benchmarks all use it)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from hotstart.errors import WeightsError
@@ -32,7 +33,12 @@ def weight_files(model_dir: Path) -> list[Path]:
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
             raise WeightsError(f"{index}: has no weight_map")
-        shards = [model_dir / s for s in sorted(set(map(str, weight_map.values())))]
+        names = sorted(set(map(str, weight_map.values())))
+        for name in names:
+            if not confined(name):
+                raise WeightsError(f"{index} names shard {name!r}, outside the model folder (a shard is a "
+                                   "file name in it)")
+        shards = [model_dir / s for s in names]
         for shard in shards:
             if not (shard.is_file() or arriving(shard)):  # also an HF-cache symlink whose blob is gone
                 raise WeightsError(f"{index} names shard {shard.name}, which is missing from {model_dir}")
@@ -46,6 +52,15 @@ def weight_files(model_dir: Path) -> list[Path]:
     other = sorted(p.name for p in model_dir.glob("*.bin")) if model_dir.is_dir() else []
     hint = f" (found {', '.join(other[:3])}: hotstart loads safetensors only)" if other else ""
     raise WeightsError(f"no safetensors weights in {model_dir}{hint}")
+
+
+def confined(name: str) -> bool:
+    """Whether NAME, from an index, names a file inside the model folder: relative, no `..`, no NUL. The
+    file itself may be a symlink (the Hugging Face cache links each one to its blob)."""
+    if not name or "\0" in name or "\\" in name or os.path.isabs(name) or name.startswith("~"):
+        return False
+    parts = name.split("/")
+    return all(part not in ("", ".", "..") for part in parts) and name.endswith(".safetensors")
 
 
 def sidecar_files(model_dir: Path) -> list[Path]:

@@ -59,8 +59,8 @@ class ApiSettings:
     served_model_names: list[str]
     """Names accepted in `model` (the first is the one reported in responses)."""
     api_key: str | None = None
-    """If set, every path but /health requires `Authorization: Bearer KEY` (/metrics too: its counters
-    and token totals describe the traffic; a Prometheus scrape config can send the key)."""
+    """If set, every path but /health and /live requires `Authorization: Bearer KEY` (/metrics too: its
+    counters describe the traffic; --metrics-port serves it keyless on a port of its own)."""
     max_model_len: int | None = None
     """Used only until the engine reports its own (EngineReady.max_model_len)."""
     max_request_bytes: int = 1 << 20
@@ -77,6 +77,10 @@ class ApiSettings:
     memory_guard: Any = None
     """A frontend/memory.py MemoryGuard: new requests wait, then get 503, while memory is short (None:
     none)."""
+    access: Any = None
+    """A server/access.py Access (Host, Origin, content type, CORS) for the gate; None: no such checks."""
+    admin_key: str | None = None
+    """If set, loading and unloading models and `keep_alive` need `Authorization: Bearer ADMIN_KEY`."""
 
 
 class OpenAIServing:

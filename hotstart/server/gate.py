@@ -1,13 +1,16 @@
-"""The ASGI gate in front of every endpoint: API key, request counting, the drain (SIGTERM), memory
-pressure (frontend/memory.py), last-resort 500 (torch-free)."""
+"""The ASGI gate in front of every endpoint: who may reach it (server/access.py: Host, Origin, content
+type), API key and admin key, request counting, the drain (SIGTERM), memory pressure (frontend/memory.py),
+last-resort 500 (torch-free)."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import logging
+import re
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -25,6 +28,25 @@ ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/token
 # answered while draining: the probes and what observes the server; every other path is refused then
 PROBE_PATHS = frozenset({"/health", "/live", "/startup", "/metrics"})
 RETRY_AFTER_S = 1
+ADMIN_PATHS = re.compile(r"/v1/models/.+/(load|unload)")  # with --admin-key, its holder's alone
+
+
+class Caller(NamedTuple):
+    """Who sent a request, as the gate found it: ADMIN (may load, unload, set keep_alive: the admin key's
+    holder, or anyone the gate admits when no admin key is set), OWNER (whose stored responses it sees: a
+    digest of the key it sent; None on a keyless server)."""
+
+    admin: bool
+    owner: str | None
+
+
+def caller(scope) -> Caller:
+    """The gate's Caller of a request's scope (without a gate, as in an in-process app: an admin)."""
+    return scope.get("hotstart.caller") or Caller(True, None)
+
+
+def _owner(key: bytes) -> str:
+    return hashlib.sha256(b"hotstart-owner\0" + key).hexdigest()[:16]
 
 
 def json_response(obj: Any, status: int = 200) -> Response:
@@ -96,31 +118,42 @@ class Drain:
 
 
 class Gate:
-    """Pure ASGI middleware: the API-key check (every path but /health and /live), request counting by
-    status, the drain (Drain above), memory pressure (MEMORY, a frontend/memory.py MemoryGuard: a POST
-    waits briefly, then 503, while memory is short), and the last resort for unexpected exceptions: a
-    one-line log and an OpenAI-shaped 500, never a traceback (Starlette's ServerErrorMiddleware would
-    answer, then re-raise it to uvicorn's log)."""
+    """Pure ASGI middleware: who may reach the server (ACCESS, a server/access.py Access: Host, Origin,
+    content type; None: no such checks, for apps built in process), the API-key check (every path but
+    /health and /live; /metrics without it on the --metrics-port listener), the admin key (ADMIN_PATHS;
+    the Caller it sets in the scope), request counting by status, the drain (Drain above), memory pressure
+    (MEMORY, a frontend/memory.py MemoryGuard: a POST waits briefly, then 503, while memory is short),
+    and the last resort for unexpected exceptions: a one-line log and an OpenAI-shaped 500, never a
+    traceback (Starlette's ServerErrorMiddleware would answer, then re-raise it to uvicorn's log)."""
 
     OPEN_PATHS = frozenset({"/health", "/live"})
 
     def __init__(self, app, api_key: str | None, metrics: Metrics, drain: Drain | None = None,
-                 memory=None) -> None:
-        self.app, self.metrics, self.memory = app, metrics, memory
+                 memory=None, access=None, admin_key: str | None = None) -> None:
+        self.app, self.metrics, self.memory, self.access = app, metrics, memory, access
         self.drain = drain if drain is not None else Drain()
         self.key = api_key.encode() if api_key else None
+        self.admin_key = admin_key.encode() if admin_key else None
 
-    def authorized(self, scope) -> bool:
-        """`Authorization: Bearer KEY`, compared in constant time (hmac.compare_digest)."""
+    def identify(self, scope) -> Caller | None:
+        """The Caller, or None when a key is required and `Authorization: Bearer KEY` has none of ours
+        (compared in constant time: hmac.compare_digest, both keys always)."""
         given = b""
         for name, value in scope["headers"]:
             if name == b"authorization":
                 given = value
                 break
         scheme, _, token = given.strip().partition(b" ")
+        token = token.strip()
         # compare even when the scheme is wrong, so the timing does not tell which part failed
-        ok = hmac.compare_digest(token.strip(), self.key)
-        return ok and scheme.lower() == b"bearer"
+        api = hmac.compare_digest(token, self.key) if self.key is not None else False
+        admin = hmac.compare_digest(token, self.admin_key) if self.admin_key is not None else False
+        bearer = scheme.lower() == b"bearer"
+        if admin and bearer:
+            return Caller(True, _owner(self.admin_key))
+        if self.key is None:  # keyless: this machine's users (any token a client sends is no key)
+            return Caller(self.admin_key is None, None)
+        return Caller(self.admin_key is None, _owner(self.key)) if api and bearer else None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -140,10 +173,22 @@ class Gate:
         counted = path not in PROBE_PATHS
         drain = self.drain
         try:
-            if self.key is not None and path not in self.OPEN_PATHS and not self.authorized(scope):
+            refusal = self.access.refusal(scope) if self.access is not None else None
+            if refusal is not None:
+                return await error_response(refusal)(scope, receive, send_counted)
+            who = self.identify(scope)
+            if who is None and path not in self.OPEN_PATHS and scope.get("hotstart.listener") != "metrics":
                 err = RequestError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`",
                                    code="invalid_api_key")
                 return await error_response(err)(scope, receive, send_counted)
+            scope["hotstart.caller"] = who
+            if who is not None and not who.admin and ADMIN_PATHS.fullmatch(path):
+                err = RequestError(403, "loading and unloading models needs the admin key (--admin-key)",
+                                   code="admin_key_required")
+                return await error_response(err)(scope, receive, send_counted)
+            refusal = self.access.content_refusal(scope) if self.access is not None else None
+            if refusal is not None:
+                return await error_response(refusal)(scope, receive, send_counted)
             if drain.draining and (counted or path == "/health"):
                 resp = drain.refusal() if counted else drain.health()
                 return await resp(scope, receive, send_counted)

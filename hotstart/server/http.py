@@ -44,6 +44,27 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def bind_listeners(cfg) -> tuple[socket.socket, socket.socket | None]:
+    """The API's socket (check_bind on the address bound) and --metrics-port's, on --host; a warning line
+    when a keyless server listens beyond loopback (--allow-no-api-key)."""
+    from hotstart.server.access import check_bind, is_loopback  # noqa: PLC0415 - stdlib only
+
+    if cfg.metrics_port is not None and cfg.metrics_port == cfg.port != 0:
+        raise HotstartError(f"--metrics-port {cfg.metrics_port} is the API's --port: pick another")
+    sock = bind(cfg.host, cfg.port)
+    bound = sock.getsockname()[0]
+    try:
+        check_bind(cfg.host, bool(cfg.api_key), cfg.allow_no_api_key, bound)
+        metrics = bind(cfg.host, cfg.metrics_port) if cfg.metrics_port is not None else None
+    except BaseException:
+        sock.close()
+        raise
+    if not cfg.api_key and not is_loopback(bound):
+        log.warning("hotstart: WARNING: listening on %s beyond this machine without an API key "
+                    "(--allow-no-api-key): everyone who can reach it may use it", bound)
+    return sock, metrics
+
+
 class Shutdown:
     """SIGTERM drains: the gate (server/gate.py Drain) turns /health and new requests to 503 at once, the
     requests in flight run to their end for up to TIMEOUT seconds, then the server exits. SIGINT, a second
@@ -108,9 +129,10 @@ async def _sample_memory(every: float) -> None:
         memory.SAMPLER.available()
 
 
-async def serve(app, sock: socket.socket, client, cfg: ServeConfig, prefetcher=None, imports=None) -> int:
+async def serve(app, sock: socket.socket, client, cfg: ServeConfig, prefetcher=None, imports=None,
+                metrics_sock: socket.socket | None = None) -> int:
     """Serve APP on SOCK until a signal or the engine's fatal end (one model, or server/multi_launch.py's
-    router standing in for CLIENT)."""
+    router standing in for CLIENT); GET /metrics alone on METRICS_SOCK (--metrics-port) meanwhile."""
     import uvicorn  # noqa: PLC0415
 
     from hotstart.frontend.memory import SAMPLE_S  # noqa: PLC0415
@@ -153,9 +175,12 @@ async def serve(app, sock: socket.socket, client, cfg: ServeConfig, prefetcher=N
     client.on_fatal = on_fatal
     client.on_ready = on_ready
     await client.start()
+    metrics = metrics_server(Server, app, metrics_sock, cfg)
     try:
         await server.serve(sockets=[sock])
     finally:
+        if metrics is not None:
+            await metrics.stop()
         sampler.cancel()
         if prefetcher is not None:
             prefetcher.stop()
@@ -164,6 +189,35 @@ async def serve(app, sock: socket.socket, client, cfg: ServeConfig, prefetcher=N
         print(f"hotstart: error: {client.fatal}", file=sys.stderr)
         return 1
     return 0
+
+
+class _MetricsServer:
+    """uvicorn on the --metrics-port socket, serving APP's GET /metrics alone (server/access.py
+    metrics_only), for as long as the API's server runs."""
+
+    def __init__(self, server_class, app, sock: socket.socket, cfg: ServeConfig) -> None:
+        import asyncio  # noqa: PLC0415
+
+        from hotstart.server.access import metrics_only  # noqa: PLC0415
+
+        async def only_metrics(scope, receive, send) -> None:
+            await metrics_only(app, scope, receive, send)
+
+        self.server = server_class(uvicorn_config(only_metrics, cfg))
+        self.task = asyncio.get_running_loop().create_task(self.server.serve(sockets=[sock]))
+
+    async def stop(self) -> None:
+        import asyncio  # noqa: PLC0415
+
+        self.server.should_exit = True
+        try:
+            await asyncio.wait_for(self.task, GRACEFUL_SHUTDOWN_S + 1)
+        except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - the API's exit is what matters
+            self.task.cancel()
+
+
+def metrics_server(server_class, app, sock: socket.socket | None, cfg: ServeConfig) -> _MetricsServer | None:
+    return _MetricsServer(server_class, app, sock, cfg) if sock is not None else None
 
 
 def imports_done(imports, timeline: Timeline) -> None:

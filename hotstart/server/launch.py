@@ -32,7 +32,9 @@ def run_serve(args: argparse.Namespace, cfg: ServeConfig, t0: float, launcher: E
     """ARGS: the parsed command line (models, --revision, engine flags); CFG: the serve flags; IMPORTS:
     the import prefetch started at t=0 (boot/iosched.py ImportPrefetch), or None."""
     from hotstart.frontend.model_specs import gather  # noqa: PLC0415 - stdlib, imported by the CLI already
+    from hotstart.server.access import check_bind  # noqa: PLC0415 - stdlib only
 
+    check_bind(cfg.host, bool(cfg.api_key), cfg.allow_no_api_key)  # before anything loads; again once bound
     specs = gather(args.model if isinstance(args.model, list) else [args.model] if args.model else [],
                    getattr(args, "model_dir", None))
     if len(specs) > 1 or getattr(args, "model_dir", None):
@@ -58,8 +60,9 @@ def run_serve(args: argparse.Namespace, cfg: ServeConfig, t0: float, launcher: E
         with timeline.phase("web stack imported"):
             from hotstart.frontend.memory import memory_guard  # noqa: PLC0415
             from hotstart.frontend.sampling import sampling_defaults  # noqa: PLC0415
+            from hotstart.server.access import Access, announce_metrics  # noqa: PLC0415
             from hotstart.server.api import ApiSettings  # noqa: PLC0415
-            from hotstart.server.http import bind, serve  # noqa: PLC0415
+            from hotstart.server.http import bind_listeners, serve  # noqa: PLC0415
             from hotstart.server.routes import build_app  # noqa: PLC0415
         tokenizer = start.load_tokenizer()
         names = list(cfg.served_model_name or [spec.name if spec and spec.name else model.name])
@@ -71,6 +74,8 @@ def run_serve(args: argparse.Namespace, cfg: ServeConfig, t0: float, launcher: E
             tool_call_parser=None if cfg.tool_call_parser == "auto" else cfg.tool_call_parser,
             auto_tool_choice=cfg.enable_auto_tool_choice,
             memory_guard=memory_guard(cfg.min_free_memory),
+            access=Access.of(cfg),
+            admin_key=cfg.admin_key,
         )
         app = build_app(client, tokenizer, settings)
         if start.prefetcher is not None:
@@ -78,19 +83,18 @@ def run_serve(args: argparse.Namespace, cfg: ServeConfig, t0: float, launcher: E
         if start.remote is not None:
             app.state.download_stats = start.remote.stats
         with timeline.phase("socket bound"):
-            sock = bind(cfg.host, cfg.port)
+            sock, metrics_sock = bind_listeners(cfg)
         host, port = sock.getsockname()[:2]
-        if cfg.host in ("0.0.0.0", "::") and not cfg.api_key:
-            log.warning("hotstart: WARNING: listening on all interfaces without --api-key")
         print(
             f"hotstart: serving {names[0]} on http://{host}:{port} (health: /health)",
             file=sys.stderr,
             flush=True,
         )
+        announce_metrics(metrics_sock)
         start.spawn_serial()  # the serial way: a fresh interpreter, once the API is otherwise ready
         import asyncio  # noqa: PLC0415
 
-        return asyncio.run(serve(app, sock, client, cfg, start.prefetcher, imports))
+        return asyncio.run(serve(app, sock, client, cfg, start.prefetcher, imports, metrics_sock))
     finally:
         start.close()  # in-flight chunks of a download end; what is written is kept for the next start
         launcher.shutdown()  # no-op after a clean serve; bounded otherwise

@@ -10,7 +10,8 @@ follow-up change `model`). Endpoints beside OpenAI's (documented in README "Many
   GET  /v1/models                  every model, with `state`, `loaded_at`, `keep_alive_until`, `error`
   POST /v1/models/{name}/load      load it now (waits until it serves; body {"keep_alive": ...} optional)
   POST /v1/models/{name}/unload    stop its engine: at once when idle (200), else once its requests end
-                                   (202); a loading model answers 409
+                                   (202); a loading model answers 409. With --admin-key both need that key
+                                   (server/gate.py), and so does a request's `keep_alive`
   GET  /health                     200 when up and every --preload model is loaded; 503 from SIGTERM on
   GET  /live                       200 while the process serves HTTP (starting, ready or draining)
   GET  /startup, /metrics          the server's, plus one entry (a `model` label) per model; vLLM's
@@ -36,8 +37,10 @@ from hotstart.frontend.memory import memory_guard
 from hotstart.frontend.metrics import CONTENT_TYPE, Metrics
 from hotstart.frontend.model_specs import parse_duration
 from hotstart.frontend.router import UNSET, ModelRecord, ModelRouter, State
-from hotstart.server.gate import Drain, Gate, add_error_handlers, json_response
+from hotstart.server.access import Access
+from hotstart.server.gate import Drain, Gate, add_error_handlers, caller, json_response
 from hotstart.server.responses import ResponseStore
+from hotstart.server.responses_serving import store_routes
 from hotstart.server.routes import MODEL_ENDPOINTS, ModelEndpoint
 from hotstart.server.schemas import decode_request, read_body
 
@@ -144,6 +147,9 @@ class MultiServing:
             body = await read_body(request, self.max_bytes)
             req = decode_request(body, ep.schema)
             keep = keep_alive_of(body)
+            if keep is not UNSET and not caller(request.scope).admin:  # 0 unloads, -1 pins: an admin's say
+                raise RequestError(403, "`keep_alive` needs the admin key (--admin-key)", param="keep_alive",
+                                   code="admin_key_required")
             if req.model is None:  # /tokenize's is optional with one model
                 raise bad_param("model", f"name the model (served: {', '.join(self.router.records)})")
             rec = await self.router.acquire(req.model)
@@ -236,11 +242,16 @@ def build_multi_app(router: ModelRouter, cfg, timeline) -> FastAPI:
     app.state.set_startup_seconds = serving.metrics.set_startup_duration
     app.state.drain = serving.drain  # server/launch.py begins (and forces) it on SIGTERM
     app.state.store = serving.store
+    access = Access.of(cfg)
     app.add_middleware(Gate, api_key=cfg.api_key, metrics=serving.metrics, drain=serving.drain,
-                       memory=memory_guard(cfg.min_free_memory))
+                       memory=memory_guard(cfg.min_free_memory), access=access, admin_key=cfg.admin_key)
+    access.add_cors(app)
     add_error_handlers(app)
     for ep in MODEL_ENDPOINTS:
         app.add_api_route(ep.path, serving.route(ep), methods=["POST"])
+    retrieve, delete = store_routes(serving.store)
+    app.add_api_route("/v1/responses/{response_id}", retrieve, methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}", delete, methods=["DELETE"])
     app.add_api_route("/v1/models", serving.list_models, methods=["GET"])
     app.add_api_route("/v1/models/{name:path}/load", serving.load_model, methods=["POST"])
     app.add_api_route("/v1/models/{name:path}/unload", serving.unload_model, methods=["POST"])

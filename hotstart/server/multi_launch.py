@@ -117,16 +117,17 @@ def run_serve_many(args: argparse.Namespace, cfg: ServeConfig, specs: list[Model
                                              cfg.restart)
         app = build_multi_app(router, cfg, timeline)
         router.make_serving = serving_maker(cfg, app.state.drain, app.state.store)
-        from hotstart.server.http import bind, serve  # noqa: PLC0415
+        from hotstart.server.access import announce_metrics  # noqa: PLC0415
+        from hotstart.server.http import bind_listeners, serve  # noqa: PLC0415
 
         with timeline.phase("socket bound"):
-            sock = bind(cfg.host, cfg.port)
+            sock, metrics_sock = bind_listeners(cfg)  # refused beyond loopback without a key
         host, port = sock.getsockname()[:2]
-        if cfg.host in ("0.0.0.0", "::") and not cfg.api_key:
-            log.warning("hotstart: WARNING: listening on all interfaces without --api-key")
         print(f"hotstart: serving {len(records)} models ({', '.join(router.records)}) on "
               f"http://{host}:{port} (health: /health)", file=sys.stderr, flush=True)
-        return asyncio.run(serve(app, sock, RouterLifecycle(router, timeline), cfg))
+        announce_metrics(metrics_sock)
+        lifecycle = RouterLifecycle(router, timeline)
+        return asyncio.run(serve(app, sock, lifecycle, cfg, metrics_sock=metrics_sock))
     finally:
         for remote in remotes:
             remote.stop()

@@ -8,8 +8,10 @@ function_call_output items), `instructions`, `max_output_tokens`, `temperature`,
 `previous_response_id` and `store`. Built-in tools, `background`, `prompt`, `conversation`, `include`d
 extras and non-text content are 400s naming the field.
 
-Stored responses (for `previous_response_id`): the last STORE_MAX_RESPONSES (1,000) responses, in memory,
-in this server process only (gone on restart); `store: false` keeps a response out of the store.
+Stored responses (for `previous_response_id`, `GET` and `DELETE /v1/responses/{id}`): the last
+STORE_MAX_RESPONSES (1,000) responses, in memory, in this server process only (gone on restart); `store:
+false` keeps a response out of the store. Each is its maker's: found only with the key that made it (the
+gate's Caller.owner; a keyless server's are every local user's), anyone else gets the 404 of an unknown id.
 """
 
 from __future__ import annotations
@@ -59,20 +61,41 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
 
 
 class ResponseStore:
-    """The conversations behind the last MAX responses (chat messages, the answer included), LRU."""
+    """The conversations behind the last MAX responses (chat messages, the answer included) and the
+    Response objects, LRU; each entry is its OWNER's (server/gate.py Caller.owner) alone."""
 
     def __init__(self, max_responses: int = STORE_MAX_RESPONSES) -> None:
         self.max = max_responses
-        self._items: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+        # id -> (owner, conversation, the Response object)
+        self._items: OrderedDict[str, tuple[str | None, list[dict[str, Any]], dict[str, Any]]] = OrderedDict()
 
-    def put(self, rid: str, messages: list[dict[str, Any]]) -> None:
-        self._items[rid] = messages
+    def put(self, rid: str, messages: list[dict[str, Any]], owner: str | None = None,
+            response: dict[str, Any] | None = None) -> None:
+        self._items[rid] = (owner, messages, response or {})
         self._items.move_to_end(rid)
         while len(self._items) > self.max:
             self._items.popitem(last=False)
 
-    def get(self, rid: str) -> list[dict[str, Any]] | None:
-        return self._items.get(rid)
+    def _entry(self, rid: str, owner: str | None):
+        entry = self._items.get(rid)
+        return entry if entry is not None and entry[0] == owner else None
+
+    def get(self, rid: str, owner: str | None = None) -> list[dict[str, Any]] | None:
+        """The conversation of RID if OWNER made it."""
+        entry = self._entry(rid, owner)
+        return None if entry is None else entry[1]
+
+    def response(self, rid: str, owner: str | None = None) -> dict[str, Any] | None:
+        """The Response object of RID if OWNER made it."""
+        entry = self._entry(rid, owner)
+        return None if entry is None else entry[2]
+
+    def delete(self, rid: str, owner: str | None = None) -> bool:
+        """Forget RID if OWNER made it; whether it did."""
+        if self._entry(rid, owner) is None:
+            return False
+        del self._items[rid]
+        return True
 
 
 def check_unsupported(req: ResponsesRequest) -> None:

@@ -22,7 +22,7 @@ from hotstart.errors import RequestError
 from hotstart.frontend.client import EngineDeadError
 from hotstart.frontend.generation import GenerationError, close_shielded, unless_disconnected
 from hotstart.frontend.tools import chat_message
-from hotstart.server.gate import json_response
+from hotstart.server.gate import caller, json_response
 from hotstart.server.responses import (
     ResponsesRequest,
     ResponseStore,
@@ -55,8 +55,9 @@ class ResponsesServing:
         s = self.serving
         check_unsupported(req)
         history: list[dict[str, Any]] = []
+        owner = caller(request.scope).owner
         if req.previous_response_id is not None:
-            found = self.store.get(req.previous_response_id)
+            found = self.store.get(req.previous_response_id, owner)
             if found is None:
                 raise RequestError(404, f"Previous response with id '{req.previous_response_id}' not found.",
                                    param="previous_response_id", code="previous_response_not_found")
@@ -68,7 +69,7 @@ class ResponsesServing:
         forced = chat.tool_choice not in (None, "auto", "none")
         parse = chat.tools and (forced or (chat.tool_choice != "none" and s.settings.auto_tool_choice))
         parser = s.tool_parser if parse else None
-        run = _Run(self, req, model, rid, gen, parser, conversation)
+        run = _Run(self, req, model, rid, gen, parser, conversation, owner)
         if req.stream:
             return SSEResponse(run.events())
         try:
@@ -80,13 +81,35 @@ class ResponsesServing:
         return json_response(run.finish(output_items(run.answer()[0])))
 
 
+def store_routes(store: ResponseStore):
+    """GET and DELETE /v1/responses/{response_id} over STORE: the caller's own responses only (another
+    key's, like an unknown id, is a 404)."""
+
+    def missing(rid: str) -> RequestError:
+        return RequestError(404, f"Response with id '{rid[:100]}' not found.", param="response_id",
+                            code="response_not_found")
+
+    async def retrieve(response_id: str, request: Request) -> Response:
+        found = store.response(response_id, caller(request.scope).owner)
+        if found is None:
+            raise missing(response_id)
+        return json_response(found)
+
+    async def delete(response_id: str, request: Request) -> Response:
+        if not store.delete(response_id, caller(request.scope).owner):
+            raise missing(response_id)
+        return json_response({"id": response_id, "object": "response", "deleted": True})
+
+    return retrieve, delete
+
+
 class _Run:
     """One response: its head, its end (stored), its event stream."""
 
     def __init__(self, owner: ResponsesServing, req: ResponsesRequest, model: str, rid: str, gen: Generation,
-                 parser: str | None, conversation: list[dict[str, Any]]) -> None:
+                 parser: str | None, conversation: list[dict[str, Any]], maker: str | None) -> None:
         self.owner, self.req, self.model, self.rid, self.gen = owner, req, model, rid, gen
-        self.parser, self.conversation, self.created = parser, conversation, now()
+        self.parser, self.conversation, self.created, self.maker = parser, conversation, now(), maker
         self.seq = 0
 
     def answer(self) -> tuple[dict[str, Any], str | None]:
@@ -96,10 +119,11 @@ class _Run:
     def finish(self, items: list[dict[str, Any]]) -> dict[str, Any]:
         reason = self.gen.choices[0].finish_reason
         status = "incomplete" if reason == "length" else "completed"
+        obj = response_object(self.rid, self.req, self.model, self.created, status, items, self.gen.usage(),
+                              reason)
         if self.req.store is not False:
-            self.owner.store.put(self.rid, self.conversation + answer_messages(items))
-        return response_object(self.rid, self.req, self.model, self.created, status, items,
-                               self.gen.usage(), reason)
+            self.owner.store.put(self.rid, self.conversation + answer_messages(items), self.maker, obj)
+        return obj
 
     def event(self, kind: str, **fields: Any) -> bytes:
         body = {"type": kind, "sequence_number": self.seq, **fields}

@@ -1,7 +1,7 @@
 """The HTTP shell of one model's OpenAIServing (torch-free): the POST endpoints a request's `model` picks
 (MODEL_ENDPOINTS: the single-model app routes them to its serving, the many-models app server/multi_api.py to
 the serving of the model that `model` names), and build_app, the single-model FastAPI app around them
-(routes, the gate middleware: API key, request counting, drain, memory; OpenAI-shaped errors)."""
+(routes, the gate middleware: reach, API key, request counting, drain, memory; OpenAI-shaped errors)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from hotstart.frontend.protocol import ChatCompletionRequest, CompletionRequest
 from hotstart.server.api import ApiSettings, OpenAIServing
 from hotstart.server.gate import Gate, add_error_handlers
 from hotstart.server.responses import ResponsesRequest
-from hotstart.server.responses_serving import ResponsesServing
+from hotstart.server.responses_serving import ResponsesServing, store_routes
 from hotstart.server.schemas import decode_request, read_body
 from hotstart.server.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 
@@ -83,10 +83,15 @@ def build_app(engine: EngineClient, tokenizer: Tokenizer, settings: ApiSettings)
     app.state.download_stats = None  # s3:// models: a callable, its result under "download" in /startup
     app.state.drain = serving.drain  # server/launch.py begins (and forces) it on SIGTERM
     app.add_middleware(Gate, api_key=settings.api_key, metrics=serving.metrics, drain=serving.drain,
-                       memory=settings.memory_guard)
+                       memory=settings.memory_guard, access=settings.access, admin_key=settings.admin_key)
+    if settings.access is not None:
+        settings.access.add_cors(app)
     add_error_handlers(app)
     for ep in MODEL_ENDPOINTS:
         app.add_api_route(ep.path, model_route(serving, ep), methods=["POST"])
+    retrieve, delete = store_routes(serving.store)
+    app.add_api_route("/v1/responses/{response_id}", retrieve, methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}", delete, methods=["DELETE"])
     app.add_api_route("/v1/models", serving.list_models, methods=["GET"])
     app.add_api_route("/v1/models/{name:path}", serving.get_model, methods=["GET"])
     app.add_api_route("/health", serving.health, methods=["GET"])

@@ -78,9 +78,12 @@ def test_torn_compile_packages_are_not_trusted_and_removed(tmp_path, monkeypatch
     from hotstart.engine.fastpath.cache import usable
 
     monkeypatch.delenv(diskio.HOME_ENV, raising=False)
-    good = tmp_path / "layers-T1.pt2"
-    with zipfile.ZipFile(good, "w") as z:
+    monkeypatch.setenv("HOTSTART_HOME", str(tmp_path))
+    staged = tmp_path / "staged.pt2"
+    with zipfile.ZipFile(staged, "w") as z:
         z.writestr("data/aotinductor/model.so", b"\0" * 4096)
+    good = tmp_path / "layers-T1.pt2"
+    diskio.publish_recorded(staged, good)  # as the compile worker publishes: its sha256 beside it
     assert usable(good)
     torn = tmp_path / "layers-T2.pt2"
     torn.write_bytes(good.read_bytes()[:2000])  # cut before the central directory

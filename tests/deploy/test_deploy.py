@@ -67,7 +67,7 @@ def test_probes_hit_real_paths_on_the_cli_default_port():
     paths = {getattr(r, "path", None) for r in app.routes}
     (c,) = kind("Deployment")["spec"]["template"]["spec"]["containers"]
     port = serve_defaults().port
-    assert {p["containerPort"] for p in c["ports"]} == {port}
+    assert {p["containerPort"] for p in c["ports"] if p["name"] == "http"} == {port}  # metrics: its own
     probes = {name: c[name]["httpGet"] for name in ("startupProbe", "readinessProbe", "livenessProbe")}
     for probe in probes.values():
         assert probe["path"] in paths and probe["port"] == port, probe

@@ -46,6 +46,7 @@ http {{
       proxy_pass http://hotstart;
       proxy_http_version 1.1;
       proxy_set_header Connection "";
+      proxy_set_header Host $http_host;  # the client's: keyless replicas refuse a foreign Host ("hotstart")
       proxy_buffering off;
       proxy_connect_timeout 1s;
       proxy_read_timeout 120s;

@@ -151,11 +151,11 @@ def test_load_and_unload_endpoints_need_the_key(one_slot):
     assert httpx.post(url + "/load", timeout=30).status_code == 401
     assert httpx.get(one_slot.url + "/health").status_code == 200  # open, no --preload to wait for
     auth = {"Authorization": f"Bearer {KEY}"}
-    r = httpx.post(url + "/load", headers=auth, timeout=120)
+    r = httpx.post(url + "/load", headers=auth, json={}, timeout=120)
     assert r.status_code == 200 and r.json()["state"] == "loaded" and r.json()["loaded_at"]
-    r = httpx.post(url + "/unload", headers=auth, timeout=30)
+    r = httpx.post(url + "/unload", headers=auth, json={}, timeout=30)
     assert r.status_code == 200 and r.json()["state"] == "unloaded"
-    assert httpx.post(one_slot.url + "/v1/models/nope/load", headers=auth).status_code == 404
+    assert httpx.post(one_slot.url + "/v1/models/nope/load", headers=auth, json={}).status_code == 404
 
 
 def test_killed_engine_is_replaced_and_others_serve(one_slot):
@@ -269,7 +269,7 @@ def test_responses_answer_with_the_named_model_and_one_store(mixed):
     assert other.usage.input_tokens == count
     events = [e.type for e in c.responses.create(model="tiny", input="Hi", max_output_tokens=4, stream=True)]
     assert events[-1] in ("response.completed", "response.incomplete")
-    r = httpx.post(mixed.url + "/v1/models/tiny/unload", timeout=30)  # 200: the stream's lease has ended
+    r = httpx.post(mixed.url + "/v1/models/tiny/unload", json={}, timeout=30)  # 200: the lease has ended
     assert r.status_code == 200 and r.json()["state"] == "unloaded"
     with pytest.raises(NotFoundError):
         c.responses.create(model="nope", input="Hi")

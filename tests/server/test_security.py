@@ -1,16 +1,20 @@
-"""Security defaults: loopback bind, API key on every endpoint but /health (constant-time compare), no
-pickle loading, model names that never reach the filesystem, and logs without keys or prompts.
+"""Security defaults: loopback bind (beyond it only with a key, or --allow-no-api-key), API key on every
+endpoint but /health and /live (constant-time compare), no pickle loading, model names that never reach
+the filesystem, and logs without keys or prompts.
 
-/metrics needs the key too: its counters (requests by status, prompt and generated token totals, queue
-depth) describe the traffic, and the issue asks for "every endpoint but /health"; Prometheus sends the
-key with `authorization: {credentials: KEY}` in its scrape config. /health stays open for load
-balancers and orchestrators, and says nothing but the engine's phase.
+/metrics needs the key too on the API's port: its counters (requests by status, prompt and generated
+token totals, queue depth) describe the traffic; `--metrics-port` serves it without the key on a port of
+its own, for a scrape (tests/server/test_reach.py). /health stays open for load balancers and
+orchestrators, and says nothing but the engine's phase. The rest of who may reach the server (Host,
+Origin, content type, the admin key): tests/server/test_reach.py.
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -66,15 +70,25 @@ def test_binds_loopback_by_default(server):
     assert addrs and set(addrs) == {"127.0.0.1"}, addrs  # nothing on 0.0.0.0 / ::, engine included
 
 
-def test_all_interfaces_without_api_key_warns(default_model_dir):
-    s = Server("--host", "0.0.0.0", "--max-model-len", "512", wait_ready=False)
+def test_beyond_loopback_without_a_key_is_refused_unless_allowed(default_model_dir):
+    for host in ("0.0.0.0", "::"):
+        proc = subprocess.Popen([sys.executable, "-m", "hotstart", "serve", "--host", host, "--port", "0"],
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        _, err = proc.communicate(timeout=60)
+        lines = err.strip().splitlines()
+        assert proc.returncode != 0 and len(lines) == 1 and lines[0].startswith("hotstart: error:"), err
+        assert "--allow-no-api-key" in lines[0] and "HOTSTART_API_KEY" in lines[0]
+        time.sleep(0.2)
+        with pytest.raises(ProcessLookupError):  # nothing it started is left (its own process group)
+            os.killpg(proc.pid, 0)
+    s = Server("--host", "0.0.0.0", "--allow-no-api-key", "--max-model-len", "512", wait_ready=False)
     try:
         assert s.url.startswith("http://0.0.0.0:")
         assert "0.0.0.0" in listening(s.proc.pid)
     finally:
         s.stop()
     warnings = [line for line in s.output.splitlines() if "WARNING" in line]
-    assert warnings and "--api-key" in warnings[0] and "all interfaces" in warnings[0], s.output
+    assert warnings and "without an API key" in warnings[0] and "--allow-no-api-key" in warnings[0], s.output
 
 
 # --- the API key -------------------------------------------------------------------------------------

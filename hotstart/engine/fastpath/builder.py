@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from hotstart.diskio import home_writable, publish
+from hotstart.diskio import home_writable, publish_recorded, remove_stale_temps
 from hotstart.engine.fastpath.cache import (
     LayerSpec,
     cache_folder,
@@ -29,6 +29,7 @@ from hotstart.messages import BucketState, FastPathStatus, Span
 from hotstart.messages import FastPathState as S
 from hotstart.model import cpu_kernels
 from hotstart.procs import descendants, terminate_then_kill
+from hotstart.trust import discard_recorded, make_private_dir
 
 log = logging.getLogger("hotstart.engine")
 
@@ -56,6 +57,7 @@ class FastPath:
         # g++, the staging file it writes, the library's path, when it started
         self._kernels_build: tuple[subprocess.Popen, Path, Path, float] | None = None
         self._kernels_path: Path | None = None  # built, to load once the layers are prepacked
+        self._kernels_rebuilt = False  # a library that failed to load is discarded and rebuilt once
         self._pack_t0 = 0.0
         self.forward: LayerGraphForward | None = None  # installed as runner.compiled once compiling
         self.folder: Path | None = None  # the compile cache's folder of this model's layer graphs
@@ -135,13 +137,19 @@ class FastPath:
         if all(self._whys):
             return
         path = cpu_kernels.library_path()
-        if path.exists():
+        why = cpu_kernels.verified(path) if path.exists() else "not built"
+        if why is None:
             self._kernels_path = path
             return
         if not home_writable():
-            self._kernels_failed("$HOTSTART_HOME takes no writes this run")
+            self._kernels_failed(f"$HOTSTART_HOME takes no writes this run; cached library: {why}")
             return
-        path.parent.mkdir(parents=True, exist_ok=True)
+        self._build_kernels(path)
+
+    def _build_kernels(self, path: Path) -> None:
+        """g++ in a child process, writing a name unique to this process (pods may share the cache)."""
+        make_private_dir(path.parent)
+        remove_stale_temps(path.parent)
         tmp = cpu_kernels.staging_path(path)
         with open(path.parent / "build.log", "ab") as log_file:
             proc = subprocess.Popen(cpu_kernels.build_command(tmp), stdin=subprocess.DEVNULL,
@@ -166,7 +174,7 @@ class FastPath:
             elif code != 0:
                 self._kernels_failed(f"g++ failed (code {code}, {tmp.parent}/build.log)")
             else:
-                publish(tmp, path)
+                publish_recorded(tmp, path)
                 self._kernels_path = path
                 self.send(Span("CPU kernels built (g++)", t0, time.time(), "compiler", path.name))
             tmp.unlink(missing_ok=True)
@@ -174,12 +182,18 @@ class FastPath:
             return
         notes = []
         if self._kernels_path is not None:
+            path, self._kernels_path = self._kernels_path, None
             try:
-                notes = install_kernels(self.model, self._kernels_path, self._whys, self._copies)
-            except Exception as e:  # noqa: BLE001 - e.g. a library of another build: oneDNN serves on
+                notes = install_kernels(self.model, path, self._whys, self._copies)
+            except Exception as e:  # noqa: BLE001 - e.g. a torn or foreign library: oneDNN serves meanwhile
+                if not self._kernels_rebuilt and home_writable():
+                    log.error(f"hotstart: engine: the CPU kernels' library did not load ({e}): rebuilding it")
+                    self._kernels_rebuilt = True
+                    discard_recorded(path)
+                    self._build_kernels(path)
+                    return
                 self._kernels_failed(f"{type(e).__name__}: {e}")
                 notes = []
-            self._kernels_path = None
         gemv_why, attention_why, ops_why = self._whys
         if gemv_why:
             notes.append(f"no small-batch kernel: {gemv_why}")
@@ -202,14 +216,14 @@ class FastPath:
         self.folder = cache_folder(spec, p.dtype)
         writable = home_writable()  # else the API process said so, once: what is cached serves
         if writable:
-            self.folder.mkdir(parents=True, exist_ok=True)
+            make_private_dir(self.folder)
             remove_stale(self.folder)
         self.forward = LayerGraphForward(self.model)
         missing = []
         for b, bucket in self.buckets.items():
             bucket.move(S.COMPILING)
             path = self.folder / package_name(b)
-            if usable(path):
+            if usable(path):  # verified (ours, its recorded hash); one failing to load stays eager
                 self._load(b, str(path), time.time(), "from the compile cache")
             else:
                 missing.append(b)
@@ -232,8 +246,11 @@ class FastPath:
         os.set_blocking(self.proc.stdout.fileno(), False)
 
     def _load(self, tokens: int, path: str, start: float, how: str) -> None:
+        """Load a package that verifies (cache.usable: ours, its recorded hash)."""
         t = time.time()
         try:
+            if how == "compiled" and not usable(Path(path)):
+                raise PermissionError("the package does not verify against its recorded hash")
             self.forward.load(tokens, path)
         except Exception as e:  # noqa: BLE001 - e.g. a package from an incompatible build
             discard(Path(path))  # the next start compiles it again

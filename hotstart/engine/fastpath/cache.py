@@ -1,10 +1,11 @@
 """The compile cache: $HOTSTART_HOME/compile/KEY/layers-T{tokens}.pt2, one AOTInductor package per token
 bucket, reused by every later start whose layer graphs would compile the same.
 
-A package is written to a temporary name, fsynced and renamed (`publish`, hotstart/diskio.py); a reader
-loads one only if it is a complete zip (`usable`), and one that is not, or fails to load, is removed so
-the next start compiles it again. A $HOTSTART_HOME that takes no writes (diskio.check_home) leaves the
-buckets not cached eager, and the cached ones serve."""
+A package is written to a temporary name unique across the pods sharing the cache, fsynced and renamed
+with its sha256 beside it (`publish_recorded`, hotstart/diskio.py); a reader loads one only if it
+verifies (hotstart/trust.py: ours, writable by no one else, the recorded hash) and is a complete zip
+(`usable`), and one that fails to load is removed so the next start compiles it again. A $HOTSTART_HOME
+that takes no writes (diskio.check_home) leaves the buckets not cached eager, and the cached ones serve."""
 
 from __future__ import annotations
 
@@ -17,12 +18,12 @@ from pathlib import Path
 import torch
 
 from hotstart import __version__
-from hotstart.diskio import home_writable
+from hotstart.diskio import home_writable, remove_stale_temps
 from hotstart.model.layers import MATH_REVISION
 from hotstart.model.registry import model_class
 from hotstart.model_config import ModelConfig
-from hotstart.procs import alive
 from hotstart.system import cpu_flags, hotstart_home
+from hotstart.trust import discard_recorded, verified_problem
 
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16", "amx_tile", "fma")
 
@@ -71,29 +72,25 @@ def package_name(tokens: int) -> str:
 
 
 def remove_stale(folder: Path) -> None:
-    """Temp files of compile workers that died mid-write (named .NAME.PID.tmp.pt2)."""
-    for f in folder.glob(".*.tmp.pt2"):
-        try:
-            pid = int(f.name.split(".")[-3])
-        except ValueError:
-            pid = 0
-        if not alive(pid):
-            f.unlink(missing_ok=True)
+    """Temp files of compile workers that died mid-write (diskio.temp_name's, here or on another pod)."""
+    remove_stale_temps(folder)
 
 
 def usable(path: Path) -> bool:
-    """Whether PATH is a package a start may load: a zip whose central directory (at its end) reads. One
-    that exists but is not (a torn write from before packages were fsynced, a foreign file) is removed."""
+    """Whether PATH is a package a start may load: it verifies (trust.open_verified) and is a zip whose
+    central directory (at its end) reads. One that exists but is not (a torn write, a foreign file, one
+    without its recorded hash) is removed, where the home takes writes: the next start compiles it."""
     import zipfile  # noqa: PLC0415 - only when a cached package is there to check
 
     if not path.is_file():
         return False
-    try:
-        with zipfile.ZipFile(path) as z:
-            if z.namelist():
-                return True
-    except (OSError, zipfile.BadZipFile):
-        pass
+    if verified_problem(path, hotstart_home()) is None:
+        try:
+            with zipfile.ZipFile(path) as z:
+                if z.namelist():
+                    return True
+        except (OSError, zipfile.BadZipFile):
+            pass
     discard(path)
     return False
 
@@ -101,7 +98,4 @@ def usable(path: Path) -> bool:
 def discard(path: Path) -> None:
     """Remove a package that cannot serve (it would fail every later start the same way)."""
     if home_writable():
-        try:
-            path.unlink(missing_ok=True)
-        except OSError:
-            pass
+        discard_recorded(path)

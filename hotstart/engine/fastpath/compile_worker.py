@@ -5,7 +5,7 @@
 thread, dies with the engine, and never touches the engine's weights: it exports the family's decoder
 layer (built on the meta device from the model's config.json) against random inputs of the right
 shapes, since weights are graph inputs. Each package is written to the cache folder atomically
-(temp file + rename) and announced as one JSON line on stdout:
+(temp file + rename, its sha256 recorded beside it) and announced as one JSON line on stdout:
   {"tokens": N, "path": P, "start": T, "end": T}      or      {"tokens": N, "error": "..."}
 """
 
@@ -61,7 +61,7 @@ def compile_bucket(model_path: str, tokens: int, dtype, folder: Path) -> Path:
     import torch  # noqa: PLC0415
     import torch._inductor  # noqa: PLC0415 - only this process ever imports inductor
 
-    from hotstart.diskio import publish  # noqa: PLC0415
+    from hotstart.diskio import publish_recorded, temp_name  # noqa: PLC0415
     from hotstart.engine.fastpath.cache import package_name  # noqa: PLC0415
     from hotstart.engine.fastpath.layer_graphs import MidGraph, example_inputs  # noqa: PLC0415
 
@@ -70,13 +70,13 @@ def compile_bucket(model_path: str, tokens: int, dtype, folder: Path) -> Path:
     with torch.no_grad():
         program = torch.export.export(graph, example_inputs(graph, tokens, cfg.q_size, cfg.head_dim, dtype))
     out = folder / package_name(tokens)
-    tmp = folder / f".{package_name(tokens)}.{os.getpid()}.tmp.pt2"  # cache.remove_stale's pattern
+    tmp = temp_name(out, ".pt2")  # unique across pods sharing the cache; cache.remove_stale sweeps it
     try:
         torch._inductor.aoti_compile_and_package(program, package_path=str(tmp))
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    publish(tmp, out)  # fsynced, renamed, the folder fsynced; tmp removed on failure
+    publish_recorded(tmp, out)  # fsynced, renamed, the folder fsynced, its sha256 beside it
     return out
 
 
