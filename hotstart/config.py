@@ -159,6 +159,14 @@ class ServeConfig:
                                    choices=["auto", "hermes", "llama3_json"])
     enable_auto_tool_choice: bool = option(True, "parse tool calls out of answers to tool_choice auto (off: "
                                                  "they stay text)", action="boolean")
+    write_timeout: float = option(
+        10.0, "seconds a client may read nothing while its answer waits to be sent (the server's socket "
+              "buffers full): the connection is then closed and a stream's generation aborted (0: no "
+              "deadline)", type=seconds)
+    max_connections_per_client: int | None = option(
+        None, "most open HTTP connections from one client address; past it a connection's request is "
+              "answered 429 (default: half of --max-connections; 0: no per-client cap; behind a proxy every "
+              "client shares the proxy's address)", type=non_negative)
 
     @classmethod
     def from_args(cls, args) -> ServeConfig:
