@@ -123,10 +123,11 @@ def non_reader(server, body: dict) -> socket.socket:
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
-    s.connect(("127.0.0.1", int(server.url.rsplit(":", 1)[1])))
+    port = int(server.url.rsplit(":", 1)[1])
+    s.connect(("127.0.0.1", port))
     raw = json.dumps(body).encode()
-    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Content-Length: %d\r\n\r\n%s" % (len(raw), raw))
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n"
+              b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (port, len(raw), raw))
     return s
 
 
