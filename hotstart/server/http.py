@@ -89,9 +89,8 @@ def uvicorn_config(app, cfg: ServeConfig):
     cap with an OpenAI-shaped 503), our logging, no lifespan."""
     import uvicorn  # noqa: PLC0415
 
-    from hotstart.server.connections import ConnectionLimits, open_files_for, protocol_class  # noqa: PLC0415
+    from hotstart.server.connections import ConnectionLimits, protocol_class  # noqa: PLC0415
 
-    open_files_for(cfg.max_connections)  # the NOFILE soft limit raised, or one error line
     limits = ConnectionLimits(cfg.max_connections, cfg.header_timeout, cfg.body_timeout, cfg.write_timeout,
                               cfg.max_connections_per_client)
     return uvicorn.Config(app, http=protocol_class(limits), log_level="warning", access_log=False,

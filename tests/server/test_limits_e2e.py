@@ -15,6 +15,7 @@ import time
 
 import httpx
 import pytest
+from helpers.cli import assert_fails_with, hotstart
 from helpers.server import serving
 
 MODEL = "smol"
@@ -115,6 +116,17 @@ def test_per_client_connection_cap(server):
     finally:
         for s in held:
             s.close()
+
+
+def test_max_connections_past_the_open_files_limit_is_one_error_line():
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard == resource.RLIM_INFINITY:
+        pytest.skip("no hard NOFILE limit here")
+    run = hotstart("serve", "--port", "0", "--max-connections", str(hard), timeout=60)
+    assert_fails_with(run, f"--max-connections {hard}", "ulimit -Hn")
+    assert "serving" not in run.stderr  # refused before the socket is bound
 
 
 def non_reader(server, body: dict) -> socket.socket:
