@@ -135,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
             launcher = EngineLauncher(use_forkserver=serve_cfg.prespawn, zygote=serve_cfg.zygote)
             try:
                 launcher.start()
+                from hotstart.server.connections import open_files_for
+
+                open_files_for(serve_cfg.max_connections)  # NOFILE raised to fit, or one error line now
                 imports = None
                 if serve_cfg.prefetch and serve_cfg.import_prefetch:  # the bytes the imports need, first
                     from hotstart.boot.iosched import start_import_prefetch

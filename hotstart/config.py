@@ -181,6 +181,14 @@ class ServeConfig:
         None, "the key that loading and unloading models and a request's keep_alive need (the API key is "
               "then not enough; prefer the environment variable HOTSTART_ADMIN_KEY)",
         env="HOTSTART_ADMIN_KEY")
+    write_timeout: float = option(
+        10.0, "seconds a client may read nothing while its answer waits to be sent (the server's socket "
+              "buffers full): the connection is then closed and a stream's generation aborted (0: no "
+              "deadline)", type=seconds)
+    max_connections_per_client: int | None = option(
+        None, "most open HTTP connections from one client address; past it a connection's request is "
+              "answered 429 (default: half of --max-connections; 0: no per-client cap; behind a proxy every "
+              "client shares the proxy's address)", type=non_negative)
 
     @classmethod
     def from_args(cls, args) -> ServeConfig:

@@ -17,9 +17,18 @@ import msgspec
 
 from hotstart.errors import RequestError, bad_param
 
-MAX_N = 128  # choices per request (and at most the engine's max_num_seqs)
+# Each request's worst-case cost is bounded where it is admitted (docs/security.md, "Request limits"); a
+# value over a limit is a 400 naming the field and the limit. OpenAI's values where it has one.
+MAX_N = 128  # choices per request (OpenAI's; and at most the engine's max_num_seqs)
 MAX_LOGPROBS = 20  # top logprobs per position (OpenAI's chat limit)
-MAX_STOP_STRINGS = 16
+MAX_STOP_STRINGS = 16  # OpenAI takes 4, vLLM any number: each is matched on every choice's every delta
+MAX_STOP_STRING_CHARS = 1024  # per string: its matcher's table, and the text a stream may hold back
+MAX_STOP_TOKEN_IDS = 1024  # looked up on every generated token, masked every step under min_tokens
+MAX_LOGIT_BIAS = 300  # token ids in logit_bias (OpenAI refuses more than 300): added every step
+# n x max_tokens x (logprobs + 1), plus the prompt's tokens x (prompt_logprobs + 1) with echo: the logprob
+# entries a request's answer carries. A whole answer holds them in the API process and encodes them at once
+# (~350 bytes each while formatted, ~90 bytes of JSON: 2**18 is ~90 MB and ~1 s of one core at most)
+MAX_LOGPROB_ENTRIES = 1 << 18
 PENALTY_RANGE = 2.0  # OpenAI's range for presence_penalty / frequency_penalty: [-2, 2]
 LOGIT_BIAS_RANGE = 100.0  # OpenAI's: [-100, 100]
 INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
@@ -165,23 +174,53 @@ def check(p: SamplingParams) -> None:
         value = getattr(p, name)
         if value is not None and not 0 <= value <= MAX_LOGPROBS:
             raise bad_param(name, f"`{name}` must be in [0, {MAX_LOGPROBS}], got {value}")
+    if len(p.logit_bias) > MAX_LOGIT_BIAS:
+        raise bad_param("logit_bias", f"`logit_bias` may hold at most {MAX_LOGIT_BIAS} token ids, got "
+                                      f"{len(p.logit_bias)}")
     for token, value in p.logit_bias.items():
         if not math.isfinite(value) or not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE:
             raise bad_param("logit_bias",
                             f"`logit_bias` values must be in [-100, 100], got {value} for token {token}")
         if token < 0:
             raise bad_param("logit_bias", f"`logit_bias` token id {token} is out of range (must be >= 0)")
+    if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise bad_param("stop_token_ids", f"`stop_token_ids` may hold at most {MAX_STOP_TOKEN_IDS} ids, got "
+                                          f"{len(p.stop_token_ids)}")
     if any(t < 0 for t in p.stop_token_ids):
         raise bad_param("stop_token_ids", "`stop_token_ids` must be non-negative token ids")
     stops = p.stop_strings
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_param("stop", f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(stops)}")
     for i, s in enumerate(stops):
         if not s:
             raise bad_param(f"stop[{i}]", "stop strings must not be empty")
-    if len(stops) > MAX_STOP_STRINGS:
-        raise bad_param("stop", f"at most {MAX_STOP_STRINGS} stop strings are supported")
+        if len(s) > MAX_STOP_STRING_CHARS:
+            raise bad_param(f"stop[{i}]", f"a stop string may be at most {MAX_STOP_STRING_CHARS} characters "
+                                          f"long, got {len(s)}")
     if not p.skip_special_tokens:
         raise RequestError(400, "skip_special_tokens=False is not supported by hotstart",
                            param="skip_special_tokens", code="unsupported_parameter")
+
+
+def logprob_entries(p: SamplingParams, prompt_len: int) -> int:
+    """The logprob entries P's answer carries at most (P resolved: max_tokens set)."""
+    out = 0
+    if p.logprobs is not None:
+        out += p.n * (p.max_tokens or 0) * (p.logprobs + 1)
+    if p.prompt_logprobs is not None:
+        out += p.n * prompt_len * (p.prompt_logprobs + 1)  # echoed once per choice
+    return out
+
+
+def check_logprob_entries(p: SamplingParams, prompt_len: int, param: str = "logprobs") -> None:
+    """400 naming PARAM if P's answer would carry more than MAX_LOGPROB_ENTRIES logprobs."""
+    entries = logprob_entries(p, prompt_len)
+    if entries > MAX_LOGPROB_ENTRIES:
+        k = p.logprobs if p.logprobs is not None else p.prompt_logprobs
+        echo = " + the echoed prompt's" if p.prompt_logprobs is not None else ""
+        raise bad_param(param, f"this request may return {entries} logprobs (n={p.n} x max_tokens="
+                               f"{p.max_tokens} x (top {k} + 1){echo}); at most {MAX_LOGPROB_ENTRIES} per "
+                               f"request: lower `n`, `max_tokens` or `{param}`, or stream them")
 
 
 def sampling_fields() -> tuple[str, ...]:

@@ -9,7 +9,8 @@ the engine's main thread:
                      the tokenizer view and LLMatcher construction, which releases the GIL)
   submit(seq)        a sequence whose grammar is cached is ready at once (a deep copy of the compiled
                      matcher); else its grammar is queued for the thread and the sequence waits
-                     outside the scheduler while the other streams step
+                     outside the scheduler while the other streams step. The cache is keyed by the
+                     grammar's SHA-256 and bounded in entries and in grammar bytes (hotstart/lru.py)
   ready()            (start of each step) the sequences whose matcher is built, or why it failed
   mask(logits, seqs) one of Sampler.transforms: the bitmasks of the constrained rows (GIL released; on
                      a GPU in one parallel llguidance call) into a [R, V/32] int32 buffer,
@@ -25,15 +26,16 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from hotstart.engine.sequence import Sequence
+from hotstart.lru import ByteLRU, digest
 
 CACHE_SIZE = 64  # compiled grammars kept (pristine matchers, deep-copied per sequence)
+CACHE_BYTES = 64 << 20  # and at most this much grammar text behind them (a matcher grows with its grammar)
 WAIT_S = 0.005  # an idle step waits this long for a compile to finish (releases the GIL)
 
 
@@ -69,8 +71,8 @@ class Grammars:
         # take cores from the next forward (measured here: +40% per step at 16 streams, 2 cores)
         self.executor = llguidance.LLExecutor() if device.type == "cuda" else None
         self.tokenizer: Any = None  # built by the thread, on the first compile
-        self.cache: OrderedDict[str, Any] = OrderedDict()
-        self.waiting: dict[str, list[Sequence]] = {}  # grammar -> sequences waiting for it
+        self.cache = ByteLRU(CACHE_SIZE, CACHE_BYTES)  # digest(grammar) -> pristine matcher
+        self.waiting: dict[bytes, list[Sequence]] = {}  # digest(grammar) -> sequences waiting for it
         self.done: list[tuple[Sequence, str | None]] = []  # ready for the scheduler (error or None)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._results: queue.SimpleQueue = queue.SimpleQueue()
@@ -84,7 +86,7 @@ class Grammars:
     # --- compiling (the thread calls into llguidance only) -------------------------------------
     def _compile_loop(self, model_path: str, eos_ids: tuple[int, ...]) -> None:
         while True:
-            grammar = self._jobs.get()
+            key, grammar = self._jobs.get()
             try:
                 if self.tokenizer is None:
                     self.tokenizer = _tokenizer(self.llg, model_path, self.vocab_size, eos_ids)
@@ -94,20 +96,21 @@ class Grammars:
                 matcher, error = None, str(e)
             except Exception as e:  # noqa: BLE001 - reported to the request, never kills the thread
                 matcher, error = None, f"{type(e).__name__}: {e}"
-            self._results.put((grammar, matcher, error))
+            self._results.put((key, len(grammar), matcher, error))
 
     def submit(self, seq: Sequence) -> None:
         """SEQ (its params.grammar set, its sampler state registered) waits until its matcher is built."""
         grammar = seq.params.grammar
-        if grammar in self.cache:
-            self.cache.move_to_end(grammar)
-            self.sampler.attach_matcher(seq, self.cache[grammar].deep_copy())
+        key = digest(grammar)
+        cached = self.cache.get(key)
+        if cached is not None:
+            self.sampler.attach_matcher(seq, cached.deep_copy())
             self.done.append((seq, None))
-        elif grammar in self.waiting:
-            self.waiting[grammar].append(seq)
+        elif key in self.waiting:
+            self.waiting[key].append(seq)
         else:
-            self.waiting[grammar] = [seq]
-            self._jobs.put(grammar)
+            self.waiting[key] = [seq]
+            self._jobs.put((key, grammar))
 
     @property
     def pending(self) -> bool:
@@ -125,17 +128,15 @@ class Grammars:
         up to WAIT seconds for the first result if none is there."""
         while True:
             try:
-                grammar, matcher, error = (
+                key, size, matcher, error = (
                     self._results.get(timeout=wait) if wait else self._results.get_nowait()
                 )
             except queue.Empty:
                 break
             wait = 0.0
-            seqs = self.waiting.pop(grammar, [])
+            seqs = self.waiting.pop(key, [])
             if error is None:
-                self.cache[grammar] = matcher
-                if len(self.cache) > CACHE_SIZE:
-                    self.cache.popitem(last=False)
+                self.cache.put(key, matcher, size)
             for seq in seqs:
                 if error is None:
                     self.sampler.attach_matcher(seq, matcher.deep_copy())

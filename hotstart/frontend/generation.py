@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from hotstart.frontend.client import EngineDeadError
+from hotstart.frontend.stops import StopStringFilter
 from hotstart.messages import TokenOutput
 from hotstart.text.tokenizer import IncrementalDetokenizer
 
@@ -25,69 +26,30 @@ if TYPE_CHECKING:
     from hotstart.messages import TokenLogprobs
     from hotstart.sampling_params import SamplingParams
 
+__all__ = ["Choice", "Delta", "Generation", "GenerationError", "StopStringFilter"]
 
 
 class GenerationError(Exception):
     """The engine finished the request with finish_reason "error"."""
 
 
-class StopStringFilter:
-    """Cuts text at the first stop string; never releases text that may still become one.
-
-    feed() returns what is safe to send: everything except the longest suffix that is a prefix of
-    some stop string (held back until later text proves it is not one, or finish()).
-    """
-
-    def __init__(self, stops: list[str]) -> None:
-        self.stops = stops
-        self.longest = max((len(s) for s in stops), default=0)
-        self.text = ""
-        self.sent = 0
-        self.stopped = False
-
-    def feed(self, delta: str) -> str:
-        if not self.stops:
-            self.text += delta
-            self.sent = len(self.text)
-            return delta
-        # a stop string completed by DELTA starts at most longest-1 chars before it
-        start = max(0, len(self.text) - self.longest + 1)
-        self.text += delta
-        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
-        if hits:
-            self.text = self.text[: min(hits)]
-            self.stopped = True
-            return self._release(len(self.text))
-        hold = 0
-        for k in range(min(self.longest - 1, len(self.text) - self.sent), 0, -1):
-            tail = self.text[-k:]
-            if any(s.startswith(tail) for s in self.stops):
-                hold = k
-                break
-        return self._release(len(self.text) - hold)
-
-    def finish(self) -> str:
-        return self._release(len(self.text))
-
-    def _release(self, end: int) -> str:
-        out = self.text[self.sent:end]
-        self.sent = max(self.sent, end)
-        return out
-
-
 class Choice:
-    """One choice's text: detokenizer, stop strings, finish reason, its tokens (and their logprobs)."""
+    """One choice's text: detokenizer, stop strings, finish reason, its tokens (and their logprobs).
+
+    KEEP: the text and the logprobs are kept for the whole answer (`text`, `logprobs`); a stream passes
+    False and each delta carries its own, so that nothing grows with the answer but the token count."""
 
     def __init__(self, index: int, tokenizer: Any, prompt_ids: list[int], stops: list[str],
-                 stop_ids: set[int]) -> None:
+                 stop_ids: set[int], keep: bool = True) -> None:
         self.index = index
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=True, prompt_ids=prompt_ids)
-        self.filter = StopStringFilter(stops)
+        self.filter = StopStringFilter(stops, keep=keep)
         self.stop_ids = stop_ids
+        self.keep = keep
         self.finish_reason: str | None = None
         self.completion_tokens = 0
-        self.logprobs: list[tuple[int, TokenLogprobs]] = []  # (token id, its logprobs), every token
-        self._unsent = 0  # logprobs not yet handed out with a delta
+        self.logprobs: list[tuple[int, TokenLogprobs]] = []  # (token id, its logprobs), every token if kept
+        self._unsent: list[tuple[int, TokenLogprobs]] = []  # logprobs not yet handed out with a delta
 
     @property
     def text(self) -> str:
@@ -113,15 +75,18 @@ class Choice:
             piece += self.filter.feed(self.detok.flush())
         self.completion_tokens += used
         if out.logprobs:
-            self.logprobs += zip(ids[:used], out.logprobs[:used])
+            new = list(zip(ids[:used], out.logprobs[:used]))
+            self._unsent += new
+            if self.keep:
+                self.logprobs += new
         if self.filter.stopped:
             reason = "stop"
         elif reason is not None:
             piece += self.filter.finish()
         self.finish_reason = reason
         lps = None
-        if (piece or reason is not None) and self._unsent < len(self.logprobs):
-            lps, self._unsent = self.logprobs[self._unsent:], len(self.logprobs)
+        if (piece or reason is not None) and self._unsent:
+            lps, self._unsent = self._unsent, []
         return Delta(self.index, piece, lps, reason)
 
 
@@ -142,10 +107,11 @@ class Generation:
 
     def __init__(self, engine: EngineClient, tokenizer: Any, request_id: str, prompt_ids: list[int],
                  params: SamplingParams, stops: list[str], metrics: Metrics, t_arrival: float,
-                 on_finish: Callable[[str], None] | None = None) -> None:
+                 on_finish: Callable[[str], None] | None = None, keep: bool = True) -> None:
         self.engine, self.request_id, self.prompt_ids, self.params = engine, request_id, prompt_ids, params
         stop_ids = set(params.stop_token_ids)
-        self.choices = [Choice(i, tokenizer, prompt_ids, stops, stop_ids) for i in range(params.n)]
+        # KEEP False (a stream): each delta carries its text and logprobs, the choices keep neither
+        self.choices = [Choice(i, tokenizer, prompt_ids, stops, stop_ids, keep) for i in range(params.n)]
         self.metrics, self.t_arrival, self.on_finish = metrics, t_arrival, on_finish
         # prompt tokens 1..P-1 (echo with logprobs), from the engine's first output
         self.prompt_logprobs: list[TokenLogprobs] | None = None

@@ -21,7 +21,7 @@ import msgspec
 from hotstart.errors import RequestError, bad_param
 from hotstart.frontend.protocol import REQUEST_SAMPLING_FIELDS
 from hotstart.frontend.validation import check_token_ids
-from hotstart.sampling_params import MAX_N, SamplingParams
+from hotstart.sampling_params import MAX_LOGIT_BIAS, MAX_N, SamplingParams
 
 if TYPE_CHECKING:
     from hotstart.frontend.protocol import Common
@@ -47,6 +47,9 @@ class EngineLimits:
 def token_keys(bias: dict[str, float] | None) -> dict[int, float]:
     """`logit_bias` with token ids as ints (JSON object keys are strings), or 400 naming the parameter."""
     out: dict[int, float] = {}
+    if bias and len(bias) > MAX_LOGIT_BIAS:  # before reading them all
+        raise bad_param("logit_bias",
+                        f"`logit_bias` may hold at most {MAX_LOGIT_BIAS} token ids, got {len(bias)}")
     for key, value in (bias or {}).items():
         text = key.strip()
         if not (text.isascii() and text.isdigit()):

@@ -10,7 +10,8 @@ Tools with tool_choice "required" / a named function are constrained too (hotsta
 
 The grammar is built and validated here, so that a bad schema is a 400 naming the parameter with
 llguidance's own message; the engine compiles it against the tokenizer (engine/grammar.py). llguidance
-is imported on the first constrained request, on the event loop's (main) thread, never at startup.
+is imported on the first constrained request, on the event loop's (main) thread, never at startup (the
+grammars are then built on the worker pool's threads, server/offload.py: they never import).
 JSON gets at most WHITESPACE between tokens: a model (a random one certainly) cannot loop on blanks.
 `strict: true` refuses what llguidance does not implement (unknown `format`s, ...); otherwise such
 keywords are ignored, as OpenAI's non-strict mode does not enforce the schema either. An object schema
@@ -21,17 +22,23 @@ wander off into properties nobody asked for. `"additionalProperties": true` allo
 
 from __future__ import annotations
 
-import functools
 import json
+import threading
 from typing import Any
 
 import msgspec
 
 from hotstart.errors import RequestError, bad_param, unsupported
+from hotstart.frontend.validation import loads_json
+from hotstart.lru import ByteLRU, digest
 
 WHITESPACE = r"[\x20\x0A\x0D\x09]{0,24}"  # JSON whitespace, at most 24 characters in a row
 TOOL_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}  # tojson's style
 MAX_ERROR_CHARS = 600
+# built grammars by the SHA-256 of (kind, spec, lenient): at most 256 of them and 32 MiB of their text
+CACHE_ITEMS, CACHE_BYTES = 256, 32 << 20
+_cache = ByteLRU(CACHE_ITEMS, CACHE_BYTES)
+_cache_lock = threading.Lock()  # requests build grammars on the worker pool's threads (server/offload.py)
 _REGEX_SPECIAL = set("\\.+*?()|[]{}^$#&-~/\"")
 
 
@@ -41,9 +48,19 @@ def llguidance() -> Any:
     return llg
 
 
-@functools.lru_cache(maxsize=256)
 def _build(kind: str, spec: str, lenient: bool) -> tuple[str | None, str | None]:
-    """(grammar, None) or (None, llguidance's error)."""
+    """(grammar, None) or (None, llguidance's error), cached."""
+    key = digest(kind, spec, "lenient" if lenient else "strict")
+    with _cache_lock:
+        found = _cache.get(key)
+    if found is None:
+        found = _compile(kind, spec, lenient)
+        with _cache_lock:
+            _cache.put(key, found, len(found[0] or found[1] or ""))
+    return found
+
+
+def _compile(kind: str, spec: str, lenient: bool) -> tuple[str | None, str | None]:
     matcher = llguidance().LLMatcher
     try:
         if kind == "json":
@@ -110,10 +127,7 @@ def choice_regex(choices: Any, param: str) -> str:
 
 def _schema(value: Any, param: str) -> Any:
     if isinstance(value, str):  # vLLM accepts the schema as JSON text too
-        try:
-            value = json.loads(value)
-        except ValueError:
-            raise bad_param(param, f"`{param}` is not valid JSON") from None
+        value = loads_json(value, param)
     if not isinstance(value, (dict, bool)):
         raise bad_param(param, f"`{param}` must be a JSON schema (an object)")
     return value

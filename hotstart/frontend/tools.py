@@ -23,6 +23,7 @@ from typing import Any
 
 from hotstart.errors import bad_param
 from hotstart.frontend.structured import TOOL_JSON, WHITESPACE, closed_objects, compile_grammar, constraint
+from hotstart.frontend.validation import check_depth, loads_json
 
 HERMES, LLAMA3 = "hermes", "llama3_json"
 PARSERS = (HERMES, LLAMA3)
@@ -46,6 +47,16 @@ def new_call(name: str, arguments: Any) -> dict[str, Any]:
             "function": {"name": name, "arguments": arguments}}
 
 
+def _loads(text: str) -> Any:
+    """A model's JSON; ValueError if it is none, or nests deeper than a request may (it is text then)."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    check_depth(value, "tool call")  # a RequestError is a ValueError
+    return value
+
+
 def _call(obj: Any) -> dict[str, Any] | None:
     """{"name", "arguments" | "parameters"} -> a tool call, or None if OBJ is not one."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
@@ -53,7 +64,7 @@ def _call(obj: Any) -> dict[str, Any] | None:
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):  # some models write the arguments as JSON text
         try:
-            args = json.loads(args)
+            args = _loads(args)
         except ValueError:
             return None
     return new_call(obj["name"], args) if isinstance(args, dict) else None
@@ -64,7 +75,7 @@ def _json_call(text: str) -> dict[str, Any] | None:
     if m is None:
         return None
     try:
-        return _call(json.loads(m.group(1)))
+        return _call(_loads(m.group(1)))
     except ValueError:
         return None
 
@@ -79,7 +90,8 @@ def _llama3_calls(text: str) -> list[dict[str, Any]] | None:
             return calls or None
         try:
             obj, pos = decoder.raw_decode(s, pos)
-        except ValueError:
+            check_depth(obj, "tool call")
+        except (ValueError, RecursionError):  # not JSON, or nested deeper than a request may be: text
             return None
         if (call := _call(obj)) is None:
             return None
@@ -220,16 +232,14 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Assistant tool calls as Hugging Face chat templates expect them: arguments as a dict (OpenAI sends
     JSON text; Qwen's and Llama's templates apply `tojson` to it), as vLLM hands them over too."""
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         if m.get("tool_calls"):
             calls = []
-            for call in m["tool_calls"]:
+            for j, call in enumerate(m["tool_calls"]):
                 fn = dict(call.get("function") or {})
-                if isinstance(fn.get("arguments"), str):
-                    try:
-                        args = json.loads(fn["arguments"])
-                    except ValueError:
-                        args = None
+                if isinstance(fn.get("arguments"), str):  # left as text unless it is JSON
+                    args = loads_json(fn["arguments"], f"messages[{i}].tool_calls[{j}].function.arguments",
+                                      lenient=True)
                     if isinstance(args, dict):
                         fn["arguments"] = args
                 calls.append({**call, "function": fn})

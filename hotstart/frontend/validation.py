@@ -5,7 +5,10 @@ frontend/sampling.py builds it from a request."""
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from hotstart.errors import RequestError, bad_param, unsupported
 from hotstart.frontend.protocol import MAX_JSON_DEPTH
@@ -23,15 +26,76 @@ _RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "documents", "add_generation_p
                              "continue_final_message", "self"}
 
 
-def check_depth(value: Any, param: str, limit: int = MAX_JSON_DEPTH) -> None:
-    """400 if VALUE (decoded JSON) nests more than LIMIT containers deep. Iterative: no recursion."""
-    stack = [(value, 1)]
+def too_deep(param: str | None, limit: int = MAX_JSON_DEPTH) -> RequestError:
+    where = f"`{param}`" if param else "the body"
+    return RequestError(400, f"{where} is nested too deeply (at most {limit} levels)", param=param,
+                        code="invalid_value")
+
+
+def check_depth(value: Any, param: str, limit: int = MAX_JSON_DEPTH, depth: int = 1) -> None:
+    """400 if VALUE (decoded JSON, itself at DEPTH) nests more than LIMIT containers deep. Iterative: no
+    recursion, and only containers are stacked (a long list of numbers costs one pass in C)."""
+    stack = [(value, depth)]
     while stack:
-        v, depth = stack.pop()
+        v, d = stack.pop()
         if isinstance(v, (dict, list)):
-            if depth > limit:
-                raise bad_param(param, f"`{param}` is nested too deeply (at most {limit} levels)")
-            stack.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v))
+            if d > limit:
+                raise too_deep(param, limit)
+            children = v.values() if isinstance(v, dict) else v
+            stack.extend((c, d + 1) for c in children if isinstance(c, (dict, list)))
+
+
+def check_nesting(req: msgspec.Struct, limit: int = MAX_JSON_DEPTH) -> None:
+    """400 naming the field if any free-form JSON value of a decoded request (any field, a Struct's inside a
+    list included) nests more than LIMIT containers deep, counted from the field: what templates, schema
+    walkers and json.dumps recurse over stays far below Python's recursion limit."""
+    stack: list[tuple[msgspec.Struct, str]] = [(req, "")]
+    while stack:
+        struct, path = stack.pop()
+        for name in struct.__struct_fields__:
+            v, param = getattr(struct, name), f"{path}.{name}" if path else name
+            if isinstance(v, msgspec.Struct):
+                stack.append((v, param))
+            elif isinstance(v, list) and any(isinstance(x, msgspec.Struct) for x in v):
+                for i, x in enumerate(v):
+                    if isinstance(x, msgspec.Struct):
+                        stack.append((x, f"{param}[{i}]"))
+                    else:
+                        check_depth(x, param, limit, depth=2)
+            else:
+                check_depth(v, param, limit)
+
+
+def loads_json(text: str, param: str, lenient: bool = False) -> Any:
+    """JSON sent as text inside a field (a schema, tool-call arguments), decoded and no deeper than
+    MAX_JSON_DEPTH; 400 naming PARAM otherwise (LENIENT: None for text that is not JSON at all)."""
+    try:
+        value = json.loads(text)
+    except RecursionError:  # nested past the interpreter's limit: too deep by far
+        raise too_deep(param) from None
+    except ValueError:
+        if lenient:
+            return None
+        raise bad_param(param, f"`{param}` is not valid JSON") from None
+    check_depth(value, param)
+    return value
+
+
+def check_prompt_chars(chars: int, max_model_len: int | None, token_chars: int | None, param: str) -> None:
+    """Refuses, before tokenizing, a prompt of CHARS characters that cannot fit the context: no token of
+    the vocabulary spells more than TOKEN_CHARS characters, so such a prompt has at least
+    CHARS / TOKEN_CHARS tokens (400 context_length_exceeded, as a counted prompt gets)."""
+    if max_model_len is None or not token_chars or chars <= max_model_len * token_chars:
+        return
+    raise RequestError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
+                       f"prompt has {chars} characters: at least {-(-chars // token_chars)} tokens (no token "
+                       f"is longer than {token_chars} characters).", param=param,
+                       code="context_length_exceeded")
+
+
+def prompt_chars(messages: list[dict[str, Any]]) -> int:
+    """Characters of the text a chat's messages carry (what the template renders at least)."""
+    return sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
 
 
 def check_request(req: Common) -> None:

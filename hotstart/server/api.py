@@ -7,6 +7,10 @@ last-resort 500).
 Bodies are read and decoded by hand (size limit, content type, msgspec schemas) instead of through
 FastAPI's pydantic body parameters: no model building at startup, and every error is OpenAI's JSON
 shape with the offending `param` rather than FastAPI's 422 detail list.
+
+The event loop only does I/O: a request's preparation (checks, chat template, tokens, grammar) and a whole
+answer's formatting run on the worker pool (server/offload.py); a stream's chunks are small and formatted
+as they go, and a stream keeps neither its text nor its logprobs (frontend/generation.py `keep`).
 """
 
 from __future__ import annotations
@@ -33,12 +37,16 @@ from hotstart.frontend.validation import (
     chat_messages,
     check_chat,
     check_completion,
+    check_prompt_chars,
     check_token_ids,
     completion_prompt,
+    prompt_chars,
     template_kwargs,
 )
+from hotstart.sampling_params import check_logprob_entries
 from hotstart.server.gate import Drain, json_response
 from hotstart.server.logprobs import LogprobsFormat
+from hotstart.server.offload import WORK, ensure_imported
 from hotstart.server.responses import ResponseStore
 from hotstart.server.sse import SSEResponse, sse_events
 from hotstart.text.tokenizer import ChatTemplateError
@@ -138,12 +146,21 @@ class OpenAIServing:
 
     def sampling(self, req: Any, max_tokens: int | None, max_param: str, n_prompt: int, prompt_param: str,
                  logprobs: int | None = None, prompt_logprobs: int | None = None,
-                 grammar: str | None = None) -> SamplingParams:
-        """REQ's SamplingParams for a prompt of N_PROMPT tokens, resolved against the engine."""
+                 grammar: str | None = None, logprobs_param: str = "logprobs") -> SamplingParams:
+        """REQ's SamplingParams for a prompt of N_PROMPT tokens, resolved against the engine; a whole
+        (not streamed) answer carries at most MAX_LOGPROB_ENTRIES logprobs (400 naming LOGPROBS_PARAM)."""
         params = from_request(req, self.settings.sampling_defaults, max_tokens=max_tokens,
                               max_param=max_param, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
-        return resolve(params, n_prompt, self.limits, prompt_param=prompt_param, max_param=max_param,
-                       grammar=grammar)
+        params = resolve(params, n_prompt, self.limits, prompt_param=prompt_param, max_param=max_param,
+                         grammar=grammar)
+        if not getattr(req, "stream", False):
+            check_logprob_entries(params, n_prompt, logprobs_param)
+        return params
+
+    def check_prompt_chars(self, chars: int, param: str) -> None:
+        """A prompt of CHARS characters that cannot fit the context is refused before it is tokenized."""
+        token_chars = getattr(self.tokenizer, "max_token_chars", lambda: None)()
+        check_prompt_chars(chars, self.max_model_len, token_chars, param)
 
     @staticmethod
     def engine_error(e: Exception) -> RequestError:
@@ -174,6 +191,7 @@ class OpenAIServing:
         kwargs = template_kwargs(req)
         grammar = chat_grammar(req, self.tool_parser)
         self.require_ready()
+        self.check_prompt_chars(prompt_chars(messages), "messages")
         tools = req.tools if req.tool_choice != "none" else None
         try:
             ids = self.tokenizer.encode_chat(messages, req.add_generation_prompt, tools, **kwargs)
@@ -182,7 +200,8 @@ class OpenAIServing:
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling(req, req.max_completion_tokens or req.max_tokens, max_param, len(ids),
-                               "messages", logprobs, grammar=grammar)
+                               "messages", logprobs, grammar=grammar,
+                               logprobs_param="top_logprobs" if req.top_logprobs else "logprobs")
         return model, ids, params
 
     def prepare_completion(self, req: CompletionRequest) -> tuple[str, list[int], SamplingParams, str]:
@@ -194,6 +213,7 @@ class OpenAIServing:
         grammar = request_grammar(req)
         self.require_ready()
         if isinstance(prompt, str):
+            self.check_prompt_chars(len(prompt), "prompt")
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
             check_token_ids(prompt, self.vocab_size, "prompt")
@@ -207,8 +227,9 @@ class OpenAIServing:
         return model, ids, params, echo
 
     def generation(self, rid: str, ids: list[int], params: SamplingParams, stops: list[str],
-                   t0: float) -> Generation:
-        """An accepted request's Generation (its prompt tokens counted; a forced drain interrupts it)."""
+                   t0: float, keep: bool = True) -> Generation:
+        """An accepted request's Generation (its prompt tokens counted; a forced drain interrupts it);
+        KEEP False for a stream (its choices keep neither text nor logprobs)."""
         if not self._received_once:  # with "first request served": the first request's own time
             self._received_once = True
             self.engine.timeline.add("first request received", time.time() - (time.perf_counter() - t0),
@@ -216,7 +237,7 @@ class OpenAIServing:
         self.metrics.prompt_tokens.inc(len(ids))
         self.metrics.vllm.prompt_tokens.labels(self.metrics.model_name).inc(len(ids))
         gen = Generation(self.engine, self.tokenizer, rid, ids, params, stops, self.metrics, t0,
-                         self.mark_served)
+                         self.mark_served, keep=keep)
         gen.interrupted = lambda: self.drain.forced
         return gen
 
@@ -224,7 +245,7 @@ class OpenAIServing:
                   t0: float, chat: bool, echo: str = "") -> Response:
         """Generate: an SSE stream if `req.stream`, else the whole answer (499 if the client left)."""
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        gen = self.generation(rid, ids, params, params.stop_strings, t0)
+        gen = self.generation(rid, ids, params, params.stop_strings, t0, keep=not req.stream)
         head: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                                 "created": int(time.time()), "model": model}
         if chat:
@@ -246,6 +267,12 @@ class OpenAIServing:
             raise self.engine_error(e) from None
         if not finished:
             return Response(status_code=499)  # nobody reads it; the status shows in /metrics
+        body = await WORK.run(self.answer, gen, head, chat, fmt, parser, echo)
+        return Response(body, media_type="application/json")
+
+    def answer(self, gen: Generation, head: dict[str, Any], chat: bool, fmt: LogprobsFormat | None,
+               parser: str | None, echo: str) -> bytes:
+        """A whole answer's JSON (on the worker pool: up to MAX_LOGPROB_ENTRIES logprobs to format)."""
         choices = []
         for c in gen.choices:
             if chat:
@@ -255,13 +282,14 @@ class OpenAIServing:
                     {"index": c.index, "message": message, "logprobs": lps, "finish_reason": reason}
                 )
             else:
-                prompt = (ids, gen.prompt_logprobs or []) if params.prompt_logprobs is not None else None
+                echoed = gen.params.prompt_logprobs is not None
+                prompt = (gen.prompt_ids, gen.prompt_logprobs or []) if echoed else None
                 lps = fmt.completion(c.index, c.logprobs, prompt) if fmt is not None else None
                 choices.append({"index": c.index, "text": echo + c.text, "logprobs": lps,
                                 "finish_reason": c.finish_reason})
         if chat:
             head["object"] = "chat.completion"
-        return json_response({**head, "choices": choices, "usage": gen.usage()})
+        return msgspec.json.encode({**head, "choices": choices, "usage": gen.usage()})
 
     @staticmethod
     async def collect(gen: Generation) -> None:
@@ -289,11 +317,13 @@ class OpenAIServing:
     # --- endpoints -----------------------------------------------------------------------------
     # (the POST ones a request's `model` picks take the decoded body and its arrival: MODEL_ENDPOINTS)
     async def chat_completions(self, request: Request, req: ChatCompletionRequest, t0: float) -> Response:
-        model, ids, params = self.prepare_chat(req)
+        ensure_imported(req)
+        model, ids, params = await WORK.run(self.prepare_chat, req)
         return await self.run(request, req, model, ids, params, t0, chat=True)
 
     async def completions(self, request: Request, req: CompletionRequest, t0: float) -> Response:
-        model, ids, params, echo = self.prepare_completion(req)
+        ensure_imported(req)
+        model, ids, params, echo = await WORK.run(self.prepare_completion, req)
         return await self.run(request, req, model, ids, params, t0, chat=False, echo=echo)
 
     async def list_models(self) -> Response:

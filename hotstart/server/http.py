@@ -112,7 +112,8 @@ def uvicorn_config(app, cfg: ServeConfig):
 
     from hotstart.server.connections import ConnectionLimits, protocol_class  # noqa: PLC0415
 
-    limits = ConnectionLimits(cfg.max_connections, cfg.header_timeout, cfg.body_timeout)
+    limits = ConnectionLimits(cfg.max_connections, cfg.header_timeout, cfg.body_timeout, cfg.write_timeout,
+                              cfg.max_connections_per_client)
     return uvicorn.Config(app, http=protocol_class(limits), log_level="warning", access_log=False,
                           lifespan="off", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
 

@@ -39,9 +39,10 @@ from hotstart.frontend.model_specs import parse_duration
 from hotstart.frontend.router import UNSET, ModelRecord, ModelRouter, State
 from hotstart.server.access import Access
 from hotstart.server.gate import Drain, Gate, add_error_handlers, caller, json_response
+from hotstart.server.offload import WORK
 from hotstart.server.responses import ResponseStore
 from hotstart.server.responses_serving import store_routes
-from hotstart.server.routes import MODEL_ENDPOINTS, ModelEndpoint
+from hotstart.server.routes import MODEL_ENDPOINTS, ModelEndpoint, answer
 from hotstart.server.schemas import decode_request, read_body
 
 
@@ -145,8 +146,7 @@ class MultiServing:
         async def route(request: Request) -> Response:
             t0 = time.perf_counter()
             body = await read_body(request, self.max_bytes)
-            req = decode_request(body, ep.schema)
-            keep = keep_alive_of(body)
+            req, keep = await WORK.run(lambda: (decode_request(body, ep.schema), keep_alive_of(body)))
             if keep is not UNSET and not caller(request.scope).admin:  # 0 unloads, -1 pins: an admin's say
                 raise RequestError(403, "`keep_alive` needs the admin key (--admin-key)", param="keep_alive",
                                    code="admin_key_required")
@@ -154,7 +154,7 @@ class MultiServing:
                 raise bad_param("model", f"name the model (served: {', '.join(self.router.records)})")
             rec = await self.router.acquire(req.model)
             try:
-                resp = await ep.handle(rec.serving, request, req, t0)
+                resp = await answer(rec.serving, ep, request, req, t0)
             except BaseException:
                 self.router.release(rec, keep)
                 raise

@@ -23,6 +23,7 @@ from hotstart.frontend.client import EngineDeadError
 from hotstart.frontend.generation import GenerationError, close_shielded, unless_disconnected
 from hotstart.frontend.tools import chat_message
 from hotstart.server.gate import caller, json_response
+from hotstart.server.offload import WORK, ensure_imported
 from hotstart.server.responses import (
     ResponsesRequest,
     ResponseStore,
@@ -62,8 +63,8 @@ class ResponsesServing:
                 raise RequestError(404, f"Previous response with id '{req.previous_response_id}' not found.",
                                    param="previous_response_id", code="previous_response_not_found")
             history = found
-        chat, conversation = chat_request(req, history)
-        model, ids, params = s.prepare_chat(chat)
+        ensure_imported(req)
+        chat, conversation, (model, ids, params) = await WORK.run(self.prepare, req, history)
         rid = new_id("resp")
         gen = s.generation(rid, ids, params, [], t0)
         forced = chat.tool_choice not in (None, "auto", "none")
@@ -79,6 +80,12 @@ class ResponsesServing:
         if not finished:
             return Response(status_code=499)  # nobody reads it
         return json_response(run.finish(output_items(run.answer()[0])))
+
+
+    def prepare(self, req: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[Any, ...]:
+        """(the chat request, the conversation, chat's (model, ids, params)): on the worker pool."""
+        chat, conversation = chat_request(req, history)
+        return chat, conversation, self.serving.prepare_chat(chat)
 
 
 def store_routes(store: ResponseStore):

@@ -15,8 +15,10 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from hotstart.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from hotstart.frontend.validation import too_deep
 from hotstart.server.api import ApiSettings, OpenAIServing
 from hotstart.server.gate import Gate, add_error_handlers
+from hotstart.server.offload import WORK
 from hotstart.server.responses import ResponsesRequest
 from hotstart.server.responses_serving import ResponsesServing, store_routes
 from hotstart.server.schemas import decode_request, read_body
@@ -42,11 +44,11 @@ async def _responses(s: OpenAIServing, request: Request, req: ResponsesRequest, 
 
 
 async def _tokenize(s: OpenAIServing, request: Request, req: TokenizeRequest, t0: float) -> Response:
-    return tokenize(s, req)
+    return await WORK.run(tokenize, s, req)
 
 
 async def _detokenize(s: OpenAIServing, request: Request, req: DetokenizeRequest, t0: float) -> Response:
-    return detokenize(s, req)
+    return await WORK.run(detokenize, s, req)
 
 
 # the endpoints of one model: the single-model app routes them to its serving, the many-models app to the
@@ -60,13 +62,25 @@ MODEL_ENDPOINTS = (
 )
 
 
+async def answer(serving: OpenAIServing, ep: ModelEndpoint, request: Request, req: Any,
+                 t0: float) -> Response:
+    """EP's answer with SERVING. Nesting past MAX_JSON_DEPTH is refused where a request is decoded; a
+    RecursionError that still escapes (JSON text inside a field, read by some library) is the same 400."""
+    try:
+        return await ep.handle(serving, request, req, t0)
+    except RecursionError:
+        raise too_deep(None) from None
+
+
 def model_route(serving: OpenAIServing, ep: ModelEndpoint) -> Callable[[Request], Awaitable[Response]]:
-    """The route of EP on one model's app: read and decode the body, answer with SERVING."""
+    """The route of EP on one model's app: read the body, decode it on the worker pool, answer with
+    SERVING."""
 
     async def route(request: Request) -> Response:
         t0 = time.perf_counter()
-        req = decode_request(await read_body(request, serving.settings.max_request_bytes), ep.schema)
-        return await ep.handle(serving, request, req, t0)
+        body = await read_body(request, serving.settings.max_request_bytes)
+        req = await WORK.run(decode_request, body, ep.schema)
+        return await answer(serving, ep, request, req, t0)
 
     return route
 

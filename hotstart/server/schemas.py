@@ -1,5 +1,6 @@
 """Request bodies (torch-free): read_body(request) (size, content type) and decode_request(body, cls) into
-the request types of frontend/protocol.py, every failure an OpenAI error naming the parameter."""
+the request types of frontend/protocol.py, every failure an OpenAI error naming the parameter. Decoding runs
+on the worker pool (server/offload.py), not on the event loop."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import msgspec
 
 from hotstart.errors import RequestError
 from hotstart.frontend.protocol import MAX_JSON_DEPTH
+from hotstart.frontend.validation import check_nesting
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -18,9 +20,10 @@ _AT = re.compile(r" - at `\$\.?(.*)`$")
 
 
 def decode_request(body: bytes, cls: type[msgspec.Struct]) -> Any:
-    """bytes -> CLS, or RequestError 400 naming the offending parameter."""
+    """bytes -> CLS, or RequestError 400 naming the offending parameter; no JSON value in it (any field)
+    nests more than MAX_JSON_DEPTH deep."""
     try:
-        return msgspec.json.decode(body, type=cls)
+        req = msgspec.json.decode(body, type=cls)
     except msgspec.ValidationError as e:
         msg = str(e)
         m = _AT.search(msg)
@@ -32,9 +35,11 @@ def decode_request(body: bytes, cls: type[msgspec.Struct]) -> Any:
         raise RequestError(400, return_msg, param=param, code="invalid_type") from None
     except msgspec.DecodeError as e:
         raise RequestError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
-    except RecursionError:  # msgspec's own depth limit (~1000 levels)
+    except RecursionError:  # past the interpreter's recursion limit (~1000 levels)
         raise RequestError(400, f"the body is nested too deeply (at most {MAX_JSON_DEPTH} levels)",
                            code="invalid_json") from None
+    check_nesting(req)
+    return req
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -42,7 +42,9 @@ async def app(scope, receive, send) -> None:
 
 @pytest.fixture(scope="module")
 def url():
-    limits = ConnectionLimits(max_connections=CAP, header_timeout=HEADER_S, body_timeout=BODY_S)
+    # every socket here is one client's: the per-client cap is tests/server/test_slow_clients.py's
+    limits = ConnectionLimits(max_connections=CAP, header_timeout=HEADER_S, body_timeout=BODY_S,
+                              max_per_client=0)
     config = uvicorn.Config(app, http=protocol_class(limits), lifespan="off", log_level="error")
     server = UvicornServer(config)
     sock = socket.socket()

@@ -38,6 +38,7 @@ def test_idle_connections_the_cap_and_an_engine_sigkill(default_model_dir):
     s = Server(
         *"--served-model-name m --max-model-len 256 --max-connections 200".split(),
         *"--header-timeout 5 --body-timeout 2".split(),
+        *"--max-connections-per-client 0".split(),  # every socket is this one client's: the cap in all here
     )
     try:
         idle = idle_sockets(s.url, 150)
