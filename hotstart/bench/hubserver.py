@@ -62,7 +62,7 @@ class HubServer:
     """The server; attributes the tests steer: `fail` (answer that many data GETs with 503), `cut` (send
     half of that many bodies, then close), `stall_s` (hold each data GET), `cdn` (answer LFS resolves
     with a 302 to another host name of this server, as the Hub redirects to its CDN). `log` holds
-    (method, path, range, status, had Authorization) per request."""
+    [method, path, range, status, had Authorization] per request."""
 
     def __init__(self, repos: list[Repo], cap_mbps: float | None = None, host: str = "127.0.0.1",
                  port: int = 0, tokens: set[str] | None = None):
@@ -121,6 +121,7 @@ def _handler(hub: HubServer):
 
         # ---- answers ------------------------------------------------------------------------
         def _send(self, status: int, body: bytes = b"", headers: dict | None = None, head: bool = False):
+            self._entry[3] = status
             self.send_response(status)
             for k, v in (headers or {}).items():
                 self.send_header(k, v)
@@ -128,7 +129,6 @@ def _handler(hub: HubServer):
             self.end_headers()
             if not head:
                 self.wfile.write(body)
-            self._status = status
 
         def _json(self, obj, status: int = 200, headers: dict | None = None, head: bool = False):
             headers = {"Content-Type": "application/json", **(headers or {})}
@@ -186,26 +186,25 @@ def _handler(hub: HubServer):
 
         # ---- routes -------------------------------------------------------------------------
         def _route(self, head: bool):
-            self._status = 0
+            # logged (the status too) before the answer is sent: a client that has it finds it in the log
+            auth = "Authorization" in self.headers
+            self._entry = [self.command, self.path, self.headers.get("Range"), 0, auth]
+            with hub.lock:
+                hub.log.append(self._entry)
             parts = urlsplit(self.path)
             path, query = unquote(parts.path), parse_qs(parts.query)
-            try:
-                if path.startswith("/_cdn/"):
-                    self._cdn(path[len("/_cdn/"):], head)
-                elif m := _MS.match(path):
-                    self._modelscope(m["id"], m["rest"] or "", query, head)
-                elif m := _TREE.match(path):
-                    self._tree(m["id"], m["rev"], m["path"] or "", query, head)
-                elif m := _INFO.match(path):
-                    self._info(m["id"], m["rev"] or "main", query, head)
-                elif m := _RESOLVE.match(path):
-                    self._resolve(m["id"], m["rev"], m["path"], head)
-                else:
-                    self._hf_error(404, None, "Not Found", head)
-            finally:
-                with hub.lock:
-                    hub.log.append((self.command, self.path, self.headers.get("Range"), self._status,
-                                    "Authorization" in self.headers))
+            if path.startswith("/_cdn/"):
+                self._cdn(path[len("/_cdn/"):], head)
+            elif m := _MS.match(path):
+                self._modelscope(m["id"], m["rest"] or "", query, head)
+            elif m := _TREE.match(path):
+                self._tree(m["id"], m["rev"], m["path"] or "", query, head)
+            elif m := _INFO.match(path):
+                self._info(m["id"], m["rev"] or "main", query, head)
+            elif m := _RESOLVE.match(path):
+                self._resolve(m["id"], m["rev"], m["path"], head)
+            else:
+                self._hf_error(404, None, "Not Found", head)
 
         def _commit(self, repo: Repo, rev: str, head: bool) -> str | None:
             commit = repo.resolve(rev)
@@ -327,6 +326,7 @@ def _handler(hub: HubServer):
                     self._send(503, b'{"error": "injected"}', {"Content-Type": "application/json"})
                     return
             cut = not head and hub.take_fault("cut")
+            self._entry[3] = status
             self.send_response(status)
             for k, v in {"Content-Type": "application/octet-stream", **headers}.items():
                 self.send_header(k, v)
@@ -334,7 +334,6 @@ def _handler(hub: HubServer):
             if cut:
                 self.send_header("Connection", "close")
             self.end_headers()
-            self._status = status
             if head:
                 return
             self.wfile.flush()

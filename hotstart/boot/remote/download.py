@@ -106,6 +106,7 @@ class Downloader:
         self.files = files
         self.on_done = on_done  # called once every file is in place (writes the completion mark)
         self.on_span: Callable[[Span], None] | None = None
+        self.on_exit: Callable[[], None] | None = None  # after the end, however it ended (the lock)
         self.progress_to = sys.stderr
         self._threads_n = max(1, threads)
         self._lock = threading.Lock()
@@ -131,14 +132,14 @@ class Downloader:
     def start(self) -> Downloader:
         workers = self._threads_n if self._claim else 0
         self._alive = workers + (1 if self.verifier.files else 0) + 1  # + this call, below
+        for f in self.files:  # resumed whole in an earlier run but not placed (no digest): place it now
+            if f.left == 0 and f.digest is None:
+                self._guarded(f, self._complete)
         for i in range(workers):
             threading.Thread(target=self._work, name=f"hotstart-dl-{i}", daemon=True).start()
         if self.verifier.files:
             threading.Thread(target=self._verify, name="hotstart-dl-verify", daemon=True).start()
         threading.Thread(target=self._housekeep, name="hotstart-dl-progress", daemon=True).start()
-        for f in self.files:  # resumed whole in an earlier run but not placed: place it now
-            if f.left == 0 and f.verified and not f.placed:
-                self._guarded(f, self._complete)
         self._exit()
         return self
 
@@ -255,10 +256,12 @@ class Downloader:
             self._fail(f"{f.path}: cannot put the download in place: {e.strerror or e}")
 
     def _complete(self, f: _File) -> None:
-        os.fsync(f.fd)
         with self._lock:
-            os.close(f.fd)
-            f.fd = -1
+            if f.fd < 0:  # completed already
+                return
+            fd, f.fd = f.fd, -1
+        os.fsync(fd)
+        os.close(fd)
         self.layout.place(f.obj, arrival.partial_path(f.path))
         with self._lock:
             f.placed = True
@@ -345,6 +348,8 @@ class Downloader:
                 f"{self.written / max(self.t_end - self.t_start, 1e-9) / 1e9:.2f} GB/s, "
                 f"{self.cpu_seconds():.2f} CPU-s",
             )
+        if self.on_exit is not None:
+            self.on_exit()
         self._finished.set()
 
     def _checkpoint(self) -> None:
@@ -382,6 +387,8 @@ class Downloader:
             self._checkpoint()
 
     def _print_progress(self) -> None:
+        if self.progress_to is None:
+            return
         try:
             self.progress_to.write(progress_line(self.source.url, self.stats()) + "\n")
             self.progress_to.flush()

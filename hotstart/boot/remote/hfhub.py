@@ -226,14 +226,15 @@ class HfSource:
 
     # ---- bytes ---------------------------------------------------------------------------------
     def open(self) -> None:
+        import obstore  # noqa: PLC0415 - on the main thread: the download threads only call it
+
+        self._obget = obstore.get
         self._store = hubhttp.open_http_store(self.endpoint, self.headers)
 
     def get_range(self, obj: RemoteObject, start: int, end: int):
-        import obstore  # noqa: PLC0415 - imported by open() on the main thread already
-
         path = f"{self.repo_id}/resolve/{self.commit}/{obj.name}"
         try:
-            return obstore.get(self._store, path, options={"range": (start, end)}).bytes()
+            return self._obget(self._store, path, options={"range": (start, end)}).bytes()
         except Exception as e:  # noqa: BLE001 - obstore's errors, already retried where transient
             status = hubhttp.status_of(e)
             reason = f"HTTP {status}" if status else ("timed out" if "timed out" in str(e).lower()
@@ -253,3 +254,8 @@ class HfSource:
 
     def integrity_error(self, e) -> bool:
         return False
+
+    def fallback_on(self, e: StoreError) -> bool:
+        """As huggingface_hub: an HTTP error other than an unknown revision lets a complete cached copy
+        stand in (with a warning line naming it)."""
+        return e.code != "RevisionNotFound" and e.status in (401, 403, 404)

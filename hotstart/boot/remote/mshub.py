@@ -132,16 +132,17 @@ class MsSource:
 
     def open(self) -> None:
         """A store per file: the file is named in the query, and obstore would escape a '?' in a path."""
+        import obstore  # noqa: PLC0415 - on the main thread: the download threads only call it
+
+        self._get = obstore.get
         for name in self._names:
             query = f"Revision={quote(self.revision, safe='')}&FilePath={quote(name, safe='')}"
             url = f"{self.endpoint}/api/v1/models/{self.repo_id}/repo?{query}"
             self._stores[name] = hubhttp.open_http_store(url, self.headers, exact=True)
 
     def get_range(self, obj: RemoteObject, start: int, end: int):
-        import obstore  # noqa: PLC0415 - imported by open() on the main thread already
-
         try:
-            return obstore.get(self._stores[obj.name], "", options={"range": (start, end)}).bytes()
+            return self._get(self._stores[obj.name], "", options={"range": (start, end)}).bytes()
         except Exception as e:  # noqa: BLE001 - obstore's errors, already retried where transient
             status = hubhttp.status_of(e)
             raise StoreError(f"{self.url}/{obj.name}: {f'HTTP {status}' if status else 'cannot reach it'}"
@@ -152,3 +153,6 @@ class MsSource:
 
     def integrity_error(self, e) -> bool:
         return False
+
+    def fallback_on(self, e: StoreError) -> bool:
+        return e.status in (401, 403)

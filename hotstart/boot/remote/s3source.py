@@ -74,6 +74,9 @@ class S3Source:
     def explain(self, e: HotstartError) -> HotstartError:
         return e
 
+    def fallback_on(self, e) -> bool:
+        return False  # a 403 or 404 is an error, never a fallback
+
     def integrity_error(self, e) -> bool:
         """A failure that makes the bytes written so far suspect (the object changed: 412)."""
         return e.status == 412

@@ -71,6 +71,11 @@ class RemoteModel:
         if self.downloader is not None:
             self.downloader.stop()
 
+    def release(self) -> None:
+        fd, self.lock_fd = self.lock_fd, None
+        if fd is not None:
+            os.close(fd)
+
 
 def warn(message: str) -> None:
     print(f"hotstart: WARNING: {message}", file=sys.stderr, flush=True)
@@ -101,7 +106,7 @@ def open_source(source) -> RemoteModel:
     try:
         listing = source.list()
     except StoreError as err:
-        if not err.unreachable:
+        if not err.unreachable and not (source.fallback_on(err) and source.cached() is not None):
             raise
         return offline_model(source, err, t)
     if listing.cached is not None:  # the store answered that the local copy is current
@@ -136,12 +141,14 @@ def open_source(source) -> RemoteModel:
         download.free_space_check(snap, sum(o.size for o in todo) - kept)
         objects = sidecars + weights
         on_done = lambda: layout.finish(objects)  # noqa: E731
-        model.downloader = download.Downloader(source, layout, files, on_done=on_done).start()
+        dl = download.Downloader(source, layout, files, on_done=on_done)
+        dl.on_exit = model.release  # done: no lock needed; stopped: resumed by the next one to lock it
+        model.downloader = dl.start()
     except OSError as e:
-        os.close(lock_fd)
+        model.release()
         raise HotstartError(f"cannot write the download cache {snap}: {e.strerror or e}") from None
     except BaseException:
-        os.close(lock_fd)
+        model.release()
         raise
     return model
 
