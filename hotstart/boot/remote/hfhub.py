@@ -36,7 +36,7 @@ from hotstart.errors import HotstartError
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
 # beyond the loader's sidecars: what transformers' and vLLM's tokenizers read from a model folder
 EXTRA_SIDECARS = ("chat_template.json", "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt")
-CHECK_RETRIES = 1  # the revision request when a cached copy could stand in: fail over fast
+CHECK_RETRIES, CHECK_TIMEOUT_S = 1, 5  # the revision request when a cached copy may stand in: fail fast
 
 
 def hf_endpoint() -> str:
@@ -177,9 +177,9 @@ class HfSource:
             return f"access denied by {self.endpoint} (HTTP 403{': ' + message if message else ''})"
         return f"HTTP {status}{': ' + message[:200] if message else ''} from {self.endpoint}"
 
-    def _get(self, path: str, retries: int):
+    def _get(self, path: str, retries: int, timeout_s: float = 10):
         return hubhttp.get_json(f"{self.endpoint}{path}", self.headers, self._what(), retries=retries,
-                                describe=self.describe_http)
+                                timeout_s=timeout_s, describe=self.describe_http)
 
     def list(self) -> Listing:
         rid = self.repo_id
@@ -187,7 +187,7 @@ class HfSource:
         if commit is None:
             has_copy = cached_snapshot(rid, self.revision) is not None
             info = self._get(f"/api/models/{rid}/revision/{quote(self.revision, safe='')}",
-                             CHECK_RETRIES if has_copy else hubhttp.RETRIES)
+                             *((CHECK_RETRIES, CHECK_TIMEOUT_S) if has_copy else (hubhttp.RETRIES,)))
             commit = info.get("sha") if isinstance(info, dict) else None
             if not isinstance(commit, str) or not COMMIT.match(commit):
                 raise StoreError(f"{self._what()}: {self.endpoint} gave no commit for revision "
