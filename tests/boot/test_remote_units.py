@@ -244,3 +244,21 @@ def test_arrival_failure_and_a_dead_writer_end_the_wait(tmp_path, monkeypatch):
             wait(len(blob))
     finally:
         f.close()
+
+
+def test_hostile_listings_never_name_a_path(monkeypatch, tmp_path):
+    from hotstart.boot.remote.hfhub import HfSource
+    from hotstart.boot.remote.snapshot import candidates
+    from hotstart.boot.remote.source import StoreError
+
+    objs = [RemoteObject(n, 10, "e") for n in ("config.json", "..", "a\0.safetensors", "x.safetensors")]
+    sidecars, tensors = candidates("hub", objs, "endpoint")
+    assert [o.name for o in sidecars + tensors] == ["config.json", "x.safetensors"]
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_TOKEN", "")
+    source = HfSource("acme/evil", "a" * 40)  # a commit: no revision request
+    tree = [{"type": "file", "path": "model.safetensors", "size": 10, "oid": "b" * 40,
+             "lfs": {"oid": "../../../../etc/x", "size": 10}}]
+    monkeypatch.setattr(source, "_get", lambda *a, **k: tree)
+    with pytest.raises(StoreError, match="invalid digest"):
+        source.list()

@@ -20,7 +20,6 @@ arrival files for the engine to report, and ends the download), and every wait i
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import threading
 import time
@@ -39,9 +38,7 @@ from hotstart.model.arrival import COMPLETE, DOWNLOADING, HEARTBEAT, PID, SIZE, 
 CHUNK_BYTES = int(float(os.environ.get("HOTSTART_S3_CHUNK_MB", "16")) * (1 << 20))
 THREADS = int(os.environ.get("HOTSTART_S3_THREADS", "8"))
 SHORT_READ_RETRIES = 3
-CHECKPOINT_S = float(
-    os.environ.get("HOTSTART_S3_CHECKPOINT_S", "5")
-)  # how often written chunks are made durable
+CHECKPOINT_S = float(os.environ.get("HOTSTART_S3_CHECKPOINT_S", "5"))  # how often chunks are made durable
 TICK_S = 0.5
 PROGRESS_EVERY_S = 1.0
 
@@ -394,14 +391,3 @@ class Downloader:
             self.progress_to.flush()
         except (OSError, ValueError):
             pass
-
-
-def free_space_check(snap: Path, needed: int) -> None:
-    """HotstartError if SNAP's filesystem cannot hold NEEDED more bytes."""
-    free = shutil.disk_usage(snap).free
-    if free < needed:
-        raise HotstartError(
-            f"not enough disk space for the download in {snap}: {needed / 1e9:.2f} GB "
-            "needed, "
-            f"{free / 1e9:.2f} GB free (set HOTSTART_HOME to a larger disk)"
-        )

@@ -34,6 +34,7 @@ from hotstart.diskio import write_atomic
 from hotstart.errors import HotstartError
 
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
+GIT_OID, SHA256 = re.compile(r"^[0-9a-f]{40}$|^[0-9a-f]{64}$"), re.compile(r"^[0-9a-f]{64}$")
 # beyond the loader's sidecars: what transformers' and vLLM's tokenizers read from a model folder
 EXTRA_SIDECARS = ("chat_template.json", "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt")
 CHECK_RETRIES, CHECK_TIMEOUT_S = 1, 5  # the revision request when a cached copy may stand in: fail fast
@@ -208,10 +209,14 @@ class HfSource:
             if not isinstance(e, dict) or e.get("type") != "file" or "/" in str(e.get("path", "")):
                 continue
             lfs = e.get("lfs") if isinstance(e.get("lfs"), dict) else None
-            sha256 = lfs.get("oid") if lfs else None
-            oid = str(e.get("oid") or "")
-            objects.append(RemoteObject(str(e["path"]), int(e.get("size") or 0), sha256 or oid,
-                                        sha256=sha256, git_oid=None if sha256 else oid or None))
+            sha256 = str(lfs.get("oid") or "").lower() if lfs else None
+            oid = str(e.get("oid") or "").lower()
+            digest = sha256 if lfs else oid  # also the blob's file name: hex only, never a path
+            if not (SHA256.match(digest) if lfs else GIT_OID.match(digest)):
+                raise StoreError(f"{self._what()}: {self.endpoint} listed {e.get('path')!r} with an invalid "
+                                 f"digest {digest[:80]!r}")
+            objects.append(RemoteObject(str(e["path"]), int(e.get("size") or 0), digest,
+                                        sha256=sha256, git_oid=None if lfs else oid))
         detail = f"revision {self.revision}: commit {commit[:12]}, {len(objects)} files"
         return Listing(objects, commit, f"{detail}, token from {self.token_from}")
 

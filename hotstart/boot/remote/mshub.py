@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from urllib.parse import quote
 
@@ -117,6 +118,9 @@ class MsSource:
             if not path or "/" in path or (f.get("Type") or "blob") != "blob":
                 continue
             sha = str(f.get("Sha256") or "").lower() or None
+            if sha is not None and not re.fullmatch(r"[0-9a-f]{64}", sha):
+                raise StoreError(f"model '{self.repo_id}': {self.endpoint} listed {path!r} with an invalid "
+                                 f"Sha256 {sha[:80]!r}")
             objects.append(RemoteObject(path, int(f.get("Size") or 0), sha or "", sha256=sha))
         self._names = [o.name for o in objects]
         return Listing(objects, self.revision, f"revision {self.revision}: {len(objects)} files")

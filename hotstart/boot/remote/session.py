@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hotstart.boot.remote import download, snapshot
-from hotstart.boot.remote.source import StoreError
+from hotstart.boot.remote.source import StoreError, free_space_check
 from hotstart.boot.remote.verify import check_bytes
 from hotstart.errors import HotstartError
 from hotstart.messages import Span
@@ -138,7 +138,7 @@ def open_source(source) -> RemoteModel:
         todo = [o for o in weights if not layout.have(o)]
         files = [download.prepare(snap, o) for o in todo]
         kept = sum(min(f.obj.size, f.resumed * download.CHUNK_BYTES) for f in files)
-        download.free_space_check(snap, sum(o.size for o in todo) - kept)
+        free_space_check(snap, sum(o.size for o in todo) - kept)
         objects = sidecars + weights
         on_done = lambda: layout.finish(objects)  # noqa: E731
         dl = download.Downloader(source, layout, files, on_done=on_done)

@@ -58,7 +58,7 @@ def candidates(
     names worth fetching); HotstartError naming WHERE for a place without a model."""
     if not objects:
         raise HotstartError(f"{where}: no objects {place} (endpoint {endpoint})")
-    by_name = {o.name: o for o in objects}
+    by_name = {o.name: o for o in objects if o.name not in ("", ".", "..") and not set(o.name) & {"/", "\0"}}
     if "config.json" not in by_name:
         shown = ", ".join(sorted(by_name)[:5]) + (", ..." if len(by_name) > 5 else "")
         raise HotstartError(f"{where}: no config.json {place} (found: {shown})")

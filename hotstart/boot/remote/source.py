@@ -12,6 +12,7 @@ always NAME.partial + NAME.arrival inside `snap` (hotstart/model/arrival.py): ne
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,3 +95,14 @@ class FolderLayout:
 
     def finish(self, objects: list[RemoteObject]) -> None:
         raise NotImplementedError
+
+
+def free_space_check(snap: Path, needed: int) -> None:
+    """HotstartError if SNAP's filesystem cannot hold NEEDED more bytes."""
+    free = shutil.disk_usage(snap).free
+    if free < needed:
+        raise HotstartError(
+            f"not enough disk space for the download in {snap}: {needed / 1e9:.2f} GB "
+            "needed, "
+            f"{free / 1e9:.2f} GB free (set HOTSTART_HOME to a larger disk)"
+        )
