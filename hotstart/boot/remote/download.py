@@ -384,7 +384,7 @@ class Downloader:
             self._checkpoint()
 
     def _print_progress(self) -> None:
-        if self.progress_to is None:
+        if self.progress_to is None or not self.written:
             return
         try:
             self.progress_to.write(progress_line(self.source.url, self.stats()) + "\n")
