@@ -28,19 +28,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     s.add_argument("model", nargs="*", default=None,
-                   help="model folder, hub id in the local HF/ModelScope cache, s3://BUCKET/PREFIX (s3: "
-                        "downloaded while torch imports, cached), each optionally NAME=...; or nothing for "
-                        "the default model. Several (or --model-dir): loaded on demand (README: Many models)")
-    s.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) in the local cache")
+                   help="model folder, hub id (ORG/NAME: Hugging Face; modelscope://ORG/NAME), or "
+                        "s3://BUCKET/PREFIX (downloaded into the cache while torch imports), each optionally "
+                        "NAME=...; or nothing for the default model. Several (or --model-dir): loaded on "
+                        "demand (README: Many models)")
+    s.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
     add_options(s, ServeConfig)
     add_options(s.add_argument_group("several models"), ModelsConfig)
     add_options(s.add_argument_group("engine"), EngineConfig)
+
+    pl = sub.add_parser("pull", help="download a model into its hub's cache without serving it",
+                        description="Fetch ORG/NAME (Hugging Face Hub; modelscope://ORG/NAME or "
+                        "VLLM_USE_MODELSCOPE=true: ModelScope; or s3://BUCKET/PREFIX) into the standard "
+                        "cache, only the files serving needs, verified; prints the folder. Resumes an "
+                        "interrupted pull.")
+    pl.add_argument("model", help="hub id ORG/NAME, modelscope://ORG/NAME or s3://BUCKET/PREFIX")
+    pl.add_argument("--revision", default=None, help="branch, tag or commit (default: the default branch)")
 
     g = sub.add_parser("generate", help="generate text offline (no server)")
     g.add_argument(
         "model", nargs="?", default=None, help="model folder or hub id (default: the embedded model)"
     )
-    g.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) in the local cache")
+    g.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
     g.add_argument("--prompt", required=True, help="the prompt text")
     g.add_argument(
         "--chat", action="store_true", help="wrap the prompt as a user message in the chat template"
@@ -148,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
                 return run_serve(args, serve_cfg, T0, launcher, imports)
             finally:
                 launcher.shutdown()
+        if args.command == "pull":
+            from hotstart.boot.remote.pull import run_pull
+
+            return run_pull(args.model, args.revision)
         if args.command == "generate":
             from hotstart.generate import run_generate  # noqa: PLC0415
 

@@ -235,6 +235,10 @@ def run_remote_bench(args: argparse.Namespace) -> int:
     names = weights + [p.name for p in sidecar_files(model.path)]
     out = Path(args.out or f"bench-results/remote-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
+    if args.store != "s3":
+        from hotstart.bench.remote_hub import run_hub_bench
+
+        return run_hub_bench(args, model.path, sum((model.path / w).stat().st_size for w in weights), out)
     moto = None
     if args.endpoint:
         env = {"AWS_ENDPOINT_URL": args.endpoint, "AWS_REGION": os.environ.get("AWS_REGION", "us-east-1")}

@@ -6,7 +6,7 @@ from __future__ import annotations
 def add_remote(bsub, verb: str) -> None:
     p = bsub.add_parser(
         verb,
-        help="s3:// start vs download-then-serve vs the Run:ai streamer; warm restarts; CPU-s per GB",
+        help="s3:// or hub-id start vs download-then-serve (Run:ai streamer, vLLM); warm restarts; CPU-s/GB",
         description="Upload MODEL to an S3 endpoint (by default a moto server started here on loopback), "
         "then, "
         "interleaved for --runs rounds: launch -> first correct answer of `hotstart serve s3://...` "
@@ -16,6 +16,15 @@ def add_remote(bsub, verb: str) -> None:
         "table.md.",
     )
     p.add_argument("model", nargs="?", default=None, help="model folder (default: the embedded model)")
+    p.add_argument("--store", choices=("s3", "hf", "modelscope"), default="s3",
+                   help="s3: upload to an S3 endpoint; hf / modelscope: serve MODEL from a loopback hub "
+                        "(python -m hotstart.bench.hubserver) as ORG/NAME (--prefix, default bench/FOLDER)")
+    p.add_argument("--cap-mbps", type=float, default=None, metavar="MB/S",
+                   help="hub stores: the loopback hub's bandwidth cap, all connections together")
+    p.add_argument("--vllm", action="store_true",
+                   help="hub stores: also time the vLLM peer (`make peers`' VLLM_PEER) serving ORG/NAME")
+    p.add_argument("--vllm-command", default=None, metavar="CMD",
+                   help="hub stores: the vLLM command instead ({model}: the hub id, {port}: a free port)")
     p.add_argument(
         "--endpoint",
         default=None,

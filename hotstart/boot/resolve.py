@@ -1,8 +1,10 @@
-"""Resolve `hotstart serve MODEL` to a folder on disk, torch-free, offline, in milliseconds.
+"""Resolve `hotstart serve MODEL` to a folder on disk, torch-free, in milliseconds when it is cached.
 
-MODEL is one of: nothing (the embedded default model), a local folder, or a hub id ("org/name" or
-"name") already present in the Hugging Face hub cache or the ModelScope cache. hotstart never
-downloads: a hub id that is in neither cache is an error that says where it looked.
+MODEL is one of: nothing (the embedded default model), a local folder, s3://BUCKET/PREFIX, or a hub id
+("org/name" or "name"; `modelscope://org/name` for ModelScope, or any id with VLLM_USE_MODELSCOPE=true).
+A hub id is downloaded into the hub's own cache when it is not complete there (boot/remote/: the weights
+stream in while the engine starts); with HF_HUB_OFFLINE set nothing is requested and only the caches
+are read (the Hugging Face cache, then ModelScope's).
 
 The HF cache lookup is written here rather than taken from huggingface_hub, because importing
 `huggingface_hub.file_download` costs ~140-160 ms (it pulls its HTTP stack), measured with
@@ -18,6 +20,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from hotstart.boot.hubcache import hf_hub_cache, hf_offline, modelscope_candidates, use_modelscope
 from hotstart.errors import HotstartError, ModelNotFoundError
 
 # huggingface_hub's repo-id alphabet (and, below, its 96-character limit): nothing else can be cached.
@@ -29,24 +32,30 @@ class ResolvedModel:
     """Where a model lives and how it is named by default."""
 
     path: Path  # folder holding config.json and the weights
-    source: str  # "local" | "hf-cache" | "modelscope" | "default" | "s3" | "s3-cache" | "s3-offline" |
-    # "s3-follow" (boot/remote/session.py)
+    source: str  # "local" | "default" | "hf-cache" | "modelscope" (found offline) | KIND, KIND-cache,
+    # KIND-offline, KIND-follow with KIND s3, hf or modelscope (boot/remote/session.py)
     name: str  # default served model name: the hub id, the local folder's basename, or the default's name
-    remote: object | None = None  # s3:// models: the RemoteModel (download progress), boot/remote/session.py
+    remote: object | None = None  # remote models: the RemoteModel (download progress), boot/remote/session.py
 
 
 def resolve_model(spec: str | None, revision: str | None = None,
                   convert_default: bool = True) -> ResolvedModel:
-    """Resolve a model spec without touching the network or importing torch.
+    """Resolve a model spec without importing torch.
 
     None -> the embedded default model (converted once if `convert_default`, else only its folder).
     An existing folder -> that folder (it must hold config.json). A path-looking spec that does not
-    exist -> error. Otherwise a hub id, looked up in the HF cache at `revision` (default "main"),
-    then in the ModelScope cache (which keeps one unnamed revision, so only for main/master).
+    exist -> error. s3:// -> listed and downloading. Otherwise a hub id at `revision` (default: the
+    hub's default branch): its complete copy in the hub's cache, else downloading (boot/remote/); with
+    HF_HUB_OFFLINE, looked up in the HF cache, then in the ModelScope cache.
     Raises ModelNotFoundError (a HotstartError) with a one-line message.
     """
     if spec is not None and spec.startswith(("s3://", "s3:")) or "=s3://" in (spec or ""):
         return _resolve_remote(spec, revision)
+    if spec is not None and spec.startswith("modelscope://"):
+        repo_id = spec[len("modelscope://"):].strip("/")
+        if repo_id.count("/") != 1:
+            raise ModelNotFoundError(f"model '{spec}': ModelScope ids are org/name")
+        return _resolve_hub_id(repo_id, revision, modelscope=True)
     if spec is None:
         if revision is not None:
             raise HotstartError("--revision applies to hub model ids, not to the default model")
@@ -99,18 +108,41 @@ def _looks_like_path(spec: str) -> bool:
     return spec.startswith(("/", ".", "~")) or spec.count("/") > 1 or native_sep
 
 
-def _resolve_hub_id(repo_id: str, revision: str | None) -> ResolvedModel:
+_REVISION = re.compile(r"^[A-Za-z0-9_.\-/]{1,200}$")
+
+
+def _resolve_hub_id(repo_id: str, revision: str | None, modelscope: bool = False) -> ResolvedModel:
     parts = repo_id.split("/")
     if len(repo_id) > 96 or not all(_HUB_PART.match(p) and p not in (".", "..") for p in parts):
         raise ModelNotFoundError(f"model '{repo_id}': not a folder and not a valid hub id (org/name)")
     rev = revision or "main"
-    if rev.startswith("/") or ".." in rev.split("/") or not rev.strip():
+    if (rev.startswith("/") or ".." in rev.split("/") or not rev.strip() or not _REVISION.match(rev)
+            or "//" in rev or rev.endswith("/")):
         raise HotstartError(f"model '{repo_id}': invalid revision '{rev}'")
-
+    modelscope = modelscope or use_modelscope()
+    if modelscope and len(parts) != 2:
+        raise ModelNotFoundError(f"model '{repo_id}': ModelScope ids are org/name")
+    if not hf_offline():
+        return _download(repo_id, revision, modelscope)
     try:
         return _lookup(repo_id, rev, explicit_revision=revision is not None)
     except OSError as e:  # e.g. an unreadable cache folder: still one line, not a traceback
         raise ModelNotFoundError(f"model '{repo_id}': cannot read the model caches: {e}") from None
+
+
+def _download(repo_id: str, revision: str | None, modelscope: bool) -> ResolvedModel:
+    """The hub's copy: its cache when complete and current (one request at most), else downloading."""
+    try:
+        from hotstart.boot.remote.session import open_source  # noqa: PLC0415 - only for a hub id
+        if modelscope:
+            from hotstart.boot.remote.mshub import MsSource as Source  # noqa: PLC0415
+        else:
+            from hotstart.boot.remote.hfhub import HfSource as Source  # noqa: PLC0415
+    except ImportError as e:
+        raise HotstartError(f"downloading a model needs obstore ({e.name} is missing): pip install obstore") \
+            from None
+    remote = open_source(Source(repo_id, revision))
+    return ResolvedModel(path=remote.path, source=remote.source, name=repo_id, remote=remote)
 
 
 def _lookup(repo_id: str, rev: str, explicit_revision: bool) -> ResolvedModel:
@@ -121,8 +153,8 @@ def _lookup(repo_id: str, rev: str, explicit_revision: bool) -> ResolvedModel:
     if snapshot is not None:
         return _checked(repo_id, snapshot, "hf-cache")
     # ModelScope keeps one unnamed revision per folder, so it can only answer for the default branch.
-    use_modelscope = len(parts) == 2 and rev in ("main", "master")
-    if use_modelscope:
+    in_modelscope = len(parts) == 2 and rev in ("main", "master")
+    if in_modelscope:
         for candidate in modelscope_candidates(repo_id):
             if candidate.is_dir():
                 return _checked(repo_id, candidate, "modelscope")
@@ -132,32 +164,21 @@ def _lookup(repo_id: str, rev: str, explicit_revision: bool) -> ResolvedModel:
                       else "ModelScope cache skipped (its ids are org/name)")
     rev_flag = f" --revision {rev}" if explicit_revision else ""
     raise ModelNotFoundError(
-        f"model '{repo_id}' not found locally; looked in: {'; '.join(looked)}. hotstart never downloads: "
-        f"fetch it first with `hf download {repo_id}{rev_flag}` "
-        f"(older huggingface_hub: `huggingface-cli download {repo_id}{rev_flag}`)"
-        + (f" or `modelscope download --model {repo_id}`" if use_modelscope else "")
+        f"model '{repo_id}' not found locally and HF_HUB_OFFLINE is set; looked in: {'; '.join(looked)}. "
+        f"Unset HF_HUB_OFFLINE to download it, or fetch it first with `hotstart pull {repo_id}{rev_flag}`"
     )
 
 
 def _checked(repo_id: str, folder: Path, source: str) -> ResolvedModel:
-    # A snapshot without weights is returned (the loader names what is missing), but without
-    # config.json nothing downstream can even size the model, so say so here.
-    if not (folder / "config.json").is_file():
+    """FOLDER if it holds a complete model (an interrupted download never counts), else one line."""
+    from hotstart.boot.remote.source import model_complete  # noqa: PLC0415 - stdlib only
+
+    missing = model_complete(folder)
+    if missing is not None:
         raise ModelNotFoundError(
-            f"model '{repo_id}': {folder} has no config.json (incomplete download?)")
+            f"model '{repo_id}': the cached copy in {folder} is incomplete ({missing}) and HF_HUB_OFFLINE is "
+            "set: unset it to finish the download")
     return ResolvedModel(path=folder, source=source, name=repo_id)
-
-
-def hf_hub_cache() -> Path:
-    """The HF hub cache folder, with huggingface_hub's precedence of env vars."""
-    explicit = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
-    if explicit:
-        return Path(os.path.expandvars(explicit)).expanduser()
-    home = os.environ.get("HF_HOME")
-    if not home:
-        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        home = os.path.join(xdg, "huggingface")
-    return Path(os.path.expandvars(home)).expanduser() / "hub"
 
 
 def _hf_snapshot(cache: Path, repo_id: str, revision: str) -> tuple[Path | None, str]:
@@ -175,27 +196,3 @@ def _hf_snapshot(cache: Path, repo_id: str, revision: str) -> tuple[Path | None,
     refs = sorted(p.name for p in (repo / "refs").glob("*") if p.is_file())
     have = f"; it has refs: {', '.join(refs)}" if refs else ""
     return None, f"{snapshot} (HF cache, revision '{revision}' not cached{have})"
-
-
-def modelscope_candidates(repo_id: str) -> list[Path]:
-    """The folders ModelScope may have put `org/name` in, most likely first.
-
-    Newer ModelScope keeps models in {cache}/hub/models/{org}/{name} with '.' in the name written as
-    '___'; older releases used {cache}/hub/{org}/{name}. MODELSCOPE_CACHE names the folder holding
-    hub/ in newer releases and the hub folder itself in older ones, so both are tried.
-    """
-    org, name = repo_id.split("/")
-    env = os.environ.get("MODELSCOPE_CACHE")
-    if env:
-        base = Path(os.path.expandvars(env)).expanduser()
-        roots = [base / "hub", base]
-    else:
-        roots = [Path.home() / ".cache" / "modelscope" / "hub"]
-    names = [name.replace(".", "___"), name] if "." in name else [name]
-    out: list[Path] = []
-    for root in roots:
-        for prefix in (root / "models", root):
-            for n in names:
-                if (p := prefix / org / n) not in out:
-                    out.append(p)
-    return out

@@ -123,23 +123,23 @@ def test_weight_order_follows_the_loader_rules(tiny_checkpoint):
     tensors = _objs(
         "model-00002-of-00002.safetensors", "consolidated.safetensors", "model-00001-of-00002.safetensors"
     )
-    assert [o.name for o in weight_order(spec, tensors, index)] == [
+    assert [o.name for o in weight_order(spec.url, tensors, index)] == [
         "model-00001-of-00002.safetensors",
         "model-00002-of-00002.safetensors",
     ]
-    assert [o.name for o in weight_order(spec, _objs("b.safetensors", "model.safetensors"), None)] == [
+    assert [o.name for o in weight_order(spec.url, _objs("b.safetensors", "model.safetensors"), None)] == [
         "model.safetensors"
     ]
-    assert [o.name for o in weight_order(spec, _objs("b.safetensors", "a.safetensors"), None)] == [
+    assert [o.name for o in weight_order(spec.url, _objs("b.safetensors", "a.safetensors"), None)] == [
         "a.safetensors",
         "b.safetensors",
     ]
     with pytest.raises(HotstartError, match="does not have"):
-        weight_order(spec, _objs("model-00001-of-00002.safetensors"), index)
+        weight_order(spec.url, _objs("model-00001-of-00002.safetensors"), index)
     # the same order as the loader's own rules on a real sharded checkpoint written by transformers
     folder = tiny_checkpoint("llama", shard=True)
     names = [p.name for p in folder.iterdir() if p.name.endswith(".safetensors")]
-    got = weight_order(spec, _objs(*sorted(names)), (folder / "model.safetensors.index.json").read_text())
+    got = weight_order(spec.url, _objs(*sorted(names)), (folder / "model.safetensors.index.json").read_text())
     assert [o.name for o in got] == [p.name for p in weight_files(folder)]
 
 
@@ -153,14 +153,14 @@ def _safetensors_bytes(data_len: int) -> bytes:
 def test_header_size_check():
     spec = parse_remote("s3://models/m")
     blob = _safetensors_bytes(4096)
-    assert header_size_check(spec, RemoteObject("x.safetensors", len(blob), ""), blob) == len(blob) - 4096
-    assert header_size_check(spec, RemoteObject("x.safetensors", len(blob), ""), blob[:20]) is None
+    assert header_size_check(spec.url, RemoteObject("x.safetensors", len(blob), ""), blob) == len(blob) - 4096
+    assert header_size_check(spec.url, RemoteObject("x.safetensors", len(blob), ""), blob[:20]) is None
     with pytest.raises(HotstartError, match="truncated"):
-        header_size_check(spec, RemoteObject("x.safetensors", len(blob) - 100, ""), blob[:-100])
+        header_size_check(spec.url, RemoteObject("x.safetensors", len(blob) - 100, ""), blob[:-100])
     with pytest.raises(HotstartError, match="trailing bytes"):
-        header_size_check(spec, RemoteObject("x.safetensors", len(blob) + 8, ""), blob + bytes(8))
+        header_size_check(spec.url, RemoteObject("x.safetensors", len(blob) + 8, ""), blob + bytes(8))
     with pytest.raises(HotstartError, match="does not fit"):
-        header_size_check(spec, RemoteObject("x.safetensors", 50, ""), struct.pack("<Q", 1 << 20))
+        header_size_check(spec.url, RemoteObject("x.safetensors", 50, ""), struct.pack("<Q", 1 << 20))
 
 
 class _Writer:
@@ -244,3 +244,21 @@ def test_arrival_failure_and_a_dead_writer_end_the_wait(tmp_path, monkeypatch):
             wait(len(blob))
     finally:
         f.close()
+
+
+def test_hostile_listings_never_name_a_path(monkeypatch, tmp_path):
+    from hotstart.boot.remote.hfhub import HfSource
+    from hotstart.boot.remote.snapshot import candidates
+    from hotstart.boot.remote.source import StoreError
+
+    objs = [RemoteObject(n, 10, "e") for n in ("config.json", "..", "a\0.safetensors", "x.safetensors")]
+    sidecars, tensors = candidates("hub", objs, "endpoint")
+    assert [o.name for o in sidecars + tensors] == ["config.json", "x.safetensors"]
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_TOKEN", "")
+    source = HfSource("acme/evil", "a" * 40)  # a commit: no revision request
+    tree = [{"type": "file", "path": "model.safetensors", "size": 10, "oid": "b" * 40,
+             "lfs": {"oid": "../../../../etc/x", "size": 10}}]
+    monkeypatch.setattr(source, "_get", lambda *a, **k: tree)
+    with pytest.raises(StoreError, match="invalid digest"):
+        source.list()

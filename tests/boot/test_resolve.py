@@ -24,9 +24,12 @@ CONFIG = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_
 
 @pytest.fixture(autouse=True)
 def clean_env(tmp_path, monkeypatch):
-    """Every cache location points into tmp_path, so the user's real caches never leak in."""
-    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME", "MODELSCOPE_CACHE"):
+    """Every cache location points into tmp_path, so the user's real caches never leak in; offline (the
+    cache lookup; downloads: test_hub_protocol.py)."""
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME", "MODELSCOPE_CACHE",
+                "VLLM_USE_MODELSCOPE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.setenv("HOTSTART_HOME", str(tmp_path / "hotstart-home"))
 
@@ -111,21 +114,25 @@ def test_hf_missing_revision_says_which_refs_exist(tmp_path, monkeypatch):
     repo = cache / "models--Qwen--Qwen2.5-0.5B"
     assert f"{repo / 'snapshots' / 'v2'} (HF cache, revision 'v2' not cached; it has refs: main)" in msg
     assert "ModelScope cache skipped (it records no revisions)" in msg
-    assert f"`hf download {REPO} --revision v2`" in msg
-    assert "modelscope download" not in msg  # ModelScope cannot serve a named revision
+    assert msg.endswith(f"Unset HF_HUB_OFFLINE to download it, or fetch it first with "
+                        f"`hotstart pull {REPO} --revision v2`")
 
 
-def test_snapshot_without_weights_is_returned_but_without_config_is_an_error(tmp_path, monkeypatch):
+def test_an_incomplete_snapshot_is_never_served_offline(tmp_path, monkeypatch):
     cache = tmp_path / "hf"
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     bare = hf_repo(cache, "org/noweights", COMMIT, {"main": COMMIT}, weights=False)
-    assert resolve_model("org/noweights").path == bare
+    with pytest.raises(ModelNotFoundError) as e:
+        resolve_model("org/noweights")
+    assert str(e.value) == (f"model 'org/noweights': the cached copy in {bare} is incomplete (no safetensors "
+                            f"weights in {bare}) and HF_HUB_OFFLINE is set: unset it to finish the download")
     with pytest.raises(WeightsError, match=f"no safetensors weights in {bare}$"):
         weight_files(bare)
     partial = hf_repo(cache, "org/noconfig", COMMIT, {"main": COMMIT}, config=False)
     with pytest.raises(ModelNotFoundError) as e:
         resolve_model("org/noconfig")
-    assert str(e.value) == f"model 'org/noconfig': {partial} has no config.json (incomplete download?)"
+    assert str(e.value) == (f"model 'org/noconfig': the cached copy in {partial} is incomplete "
+                            "(no config.json) and HF_HUB_OFFLINE is set: unset it to finish the download")
 
 
 # ---- ModelScope cache ----
@@ -157,19 +164,19 @@ def test_hf_cache_wins_over_modelscope(tmp_path, monkeypatch):
 
 # ---- not found anywhere ----
 
-def test_not_found_lists_every_place_and_never_downloads(tmp_path):
+def test_not_found_offline_lists_every_place(tmp_path):
     with pytest.raises(ModelNotFoundError) as e:
         resolve_model(REPO)
     msg = str(e.value)
     ms = tmp_path / "home" / ".cache" / "modelscope" / "hub"
     hf = tmp_path / "home/.cache/huggingface/hub/models--Qwen--Qwen2.5-0.5B"
-    places = [f"{hf} (HF cache, revision 'main')",
+    current = tmp_path / "home/.cache/modelscope/models/Qwen--Qwen2.5-0.5B/snapshots/master"
+    places = [f"{hf} (HF cache, revision 'main')", str(current),
               str(ms / "models/Qwen/Qwen2___5-0___5B"), str(ms / "models/Qwen/Qwen2.5-0.5B"),
               str(ms / "Qwen/Qwen2___5-0___5B"), str(ms / "Qwen/Qwen2.5-0.5B")]
-    assert msg == (f"model '{REPO}' not found locally; looked in: {'; '.join(places)}. "
-                   "hotstart never downloads: "
-                   f"fetch it first with `hf download {REPO}` (older huggingface_hub: "
-                   f"`huggingface-cli download {REPO}`) or `modelscope download --model {REPO}`")
+    assert msg == (f"model '{REPO}' not found locally and HF_HUB_OFFLINE is set; looked in: "
+                   f"{'; '.join(places)}. Unset HF_HUB_OFFLINE to download it, or fetch it first with "
+                   f"`hotstart pull {REPO}`")
     assert "\n" not in msg
 
 

@@ -1,32 +1,35 @@
-"""Parallel ranged GETs of the weight files into NAME.partial, in the engine's load order.
+"""Parallel ranged GETs of the weight files into NAME.partial, in the engine's load order, for any store.
 
 Daemon threads claim chunks in order (files in load order, chunks in file order), so the bytes the
-loader needs next are the ones in flight; each thread GETs its chunk with If-Match on the listed ETag
-(an object replaced meanwhile fails with 412 instead of mixing versions), checks its length, writes it
-with pwrite, and advances the file's watermark (hotstart/model/arrival.py) once every chunk below it is
+loader needs next are the ones in flight; each thread GETs its chunk through the source (source.py: S3
+pins the listed ETag with If-Match, a hub the commit in the URL), checks its length, writes it with
+pwrite, and advances the file's watermark (hotstart/model/arrival.py) once every chunk below it is
 written. Chunk 0 of each file is checked against the listing (the safetensors header must describe
-exactly the listed size) before anyone can read it. A finished file is fsynced and renamed into place.
+exactly the listed size) before anyone can read it. A file with a listed digest (the hubs') is hashed as
+it arrives (verify.py) and its watermark stops one byte short of its end until the digest matches. A
+finished (and verified) file is fsynced and put into place by the layout (a rename; for the Hugging Face
+cache a blob and its snapshot link).
 
 A housekeeping thread beats the heartbeats, prints the progress line, and every CHECKPOINT_S fsyncs
 the written chunks and marks them durable in the arrival file: what a restarted download keeps.
-Rules this module keeps (docs/design.md): threads do I/O only (obstore is imported by the caller, on
-the main thread), nothing they do raises into the caller (a failure is recorded, written into the
+Rules this module keeps (docs/design.md): threads do I/O only (the clients are imported by the caller,
+on the main thread), nothing they do raises into the caller (a failure is recorded, written into the
 arrival files for the engine to report, and ends the download), and every wait is bounded.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from hotstart.boot.remote import store as s3
+from hotstart.boot.remote.progress import progress_line, thread_cpu_seconds
 from hotstart.boot.remote.snapshot import RemoteObject, header_size_check
-from hotstart.boot.remote.url import RemoteSpec
+from hotstart.boot.remote.source import StoreError
+from hotstart.boot.remote.verify import Verifier, digest_of
 from hotstart.errors import HotstartError
 from hotstart.messages import Span
 from hotstart.model import arrival
@@ -35,9 +38,7 @@ from hotstart.model.arrival import COMPLETE, DOWNLOADING, HEARTBEAT, PID, SIZE, 
 CHUNK_BYTES = int(float(os.environ.get("HOTSTART_S3_CHUNK_MB", "16")) * (1 << 20))
 THREADS = int(os.environ.get("HOTSTART_S3_THREADS", "8"))
 SHORT_READ_RETRIES = 3
-CHECKPOINT_S = float(
-    os.environ.get("HOTSTART_S3_CHECKPOINT_S", "5")
-)  # how often written chunks are made durable
+CHECKPOINT_S = float(os.environ.get("HOTSTART_S3_CHECKPOINT_S", "5"))  # how often chunks are made durable
 TICK_S = 0.5
 PROGRESS_EVERY_S = 1.0
 
@@ -50,13 +51,20 @@ class _File:
         self.resumed = sum(self.done)
         self.left = self.nchunks - self.resumed
         self.low = 0  # first chunk not written: the watermark is low * CHUNK_BYTES
+        self.digest = digest_of(obj)
+        self.hashed = 0  # bytes fed to the digest (verify.py)
+        self.verified = self.digest is None
+        self.placed = False
         self.t_start = self.t_end = 0.0
         self._advance()
 
     def _advance(self) -> None:
         while self.low < self.nchunks and self.done[self.low]:
             self.low += 1
-        self.state.set(WATERMARK, min(self.obj.size, self.low * CHUNK_BYTES))
+        mark = min(self.obj.size, self.low * CHUNK_BYTES)
+        if not self.verified and self.obj.size:  # the last byte waits for the digest
+            mark = min(mark, self.obj.size - 1)
+        self.state.set(WATERMARK, mark)
 
 
 def prepare(snap: Path, obj: RemoteObject) -> _File:
@@ -86,21 +94,16 @@ def prepare(snap: Path, obj: RemoteObject) -> _File:
 
 
 class Downloader:
-    """Downloads FILES (prepared) with THREADS threads; see the module docstring."""
+    """Downloads FILES (prepared) from SOURCE (source.py) with THREADS threads into LAYOUT's places; see
+    the module docstring."""
 
-    def __init__(
-        self,
-        store,
-        spec: RemoteSpec,
-        endpoint: str,
-        files: list[_File],
-        on_done: Callable[[], None],
-        threads: int = THREADS,
-    ):
-        self.store, self.spec, self.endpoint = store, spec, endpoint
+    def __init__(self, source, layout, files: list[_File], on_done: Callable[[], None],
+                 threads: int = THREADS):
+        self.source, self.layout = source, layout
         self.files = files
-        self.on_done = on_done  # called once every file is in place (writes the manifest)
+        self.on_done = on_done  # called once every file is in place (writes the completion mark)
         self.on_span: Callable[[Span], None] | None = None
+        self.on_exit: Callable[[], None] | None = None  # after the end, however it ended (the lock)
         self.progress_to = sys.stderr
         self._threads_n = max(1, threads)
         self._lock = threading.Lock()
@@ -112,29 +115,35 @@ class Downloader:
         self.resumed = sum(min(f.obj.size, f.resumed * CHUNK_BYTES) for f in files)
         self.written = 0
         self.error: str | None = None
-        self.state = "running" if self._claim else "done"
+        self.state = "running"
         self.t_start = time.monotonic()
         self.t_end: float | None = None
         self.t0_wall = time.time()
         self._tids: list[int] = []
         self._alive = 0
         self.checkpoints = 0
+        self.verifier = Verifier(files, self._lock, CHUNK_BYTES, self._verified, self._mismatch)
 
     # ---- public ---------------------------------------------------------------------------------
 
     def start(self) -> Downloader:
-        if self.state == "done":
-            self._finish()
-            return self
-        self._alive = self._threads_n
-        for i in range(self._threads_n):
-            threading.Thread(target=self._work, name=f"hotstart-s3-{i}", daemon=True).start()
-        threading.Thread(target=self._housekeep, name="hotstart-s3-progress", daemon=True).start()
+        workers = self._threads_n if self._claim else 0
+        self._alive = workers + (1 if self.verifier.files else 0) + 1  # + this call, below
+        for f in self.files:  # resumed whole in an earlier run but not placed (no digest): place it now
+            if f.left == 0 and f.digest is None:
+                self._guarded(f, self._complete)
+        for i in range(workers):
+            threading.Thread(target=self._work, name=f"hotstart-dl-{i}", daemon=True).start()
+        if self.verifier.files:
+            threading.Thread(target=self._verify, name="hotstart-dl-verify", daemon=True).start()
+        threading.Thread(target=self._housekeep, name="hotstart-dl-progress", daemon=True).start()
+        self._exit()
         return self
 
     def stop(self) -> None:
         """Stop after the chunks in flight (what is written stays, for the next start to resume)."""
         self._stop.set()
+        self.verifier.stop()
 
     def wait(self, timeout: float | None) -> bool:
         return self._finished.wait(timeout)
@@ -147,13 +156,14 @@ class Downloader:
             left = self.total - done
             return {
                 "state": self.state,
-                "url": self.spec.url,
-                "endpoint": self.endpoint,
+                "url": self.source.url,
+                "endpoint": self.source.endpoint,
                 "bytes_total": self.total,
                 "bytes_done": done,
                 "bytes_resumed": self.resumed,
+                "bytes_verified": sum(f.hashed for f in self.files if f.digest is not None),
                 "files_total": len(self.files),
-                "files_done": sum(f.left == 0 for f in self.files),
+                "files_done": sum(f.placed for f in self.files),
                 "elapsed_s": round(elapsed, 3),
                 "rate_mbps": round(rate / 1e6, 1),
                 "eta_s": round(left / rate, 1) if rate > 0 and left > 0 else (0.0 if left <= 0 else None),
@@ -164,19 +174,8 @@ class Downloader:
             }
 
     def cpu_seconds(self) -> float:
-        """CPU time of the download threads and of obstore's runtime threads (Linux /proc)."""
-        total = 0.0
-        tick = os.sysconf("SC_CLK_TCK")
-        for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ():
-            try:
-                with open(f"/proc/self/task/{tid}/stat") as f:
-                    comm, fields = f.read().rsplit(")", 1)
-            except OSError:
-                continue
-            if int(tid) in self._tids or "tokio" in comm:
-                parts = fields.split()
-                total += (int(parts[11]) + int(parts[12])) / tick
-        return total
+        """CPU time of the download and verify threads and of obstore's runtime threads."""
+        return thread_cpu_seconds(self._tids)
 
     # ---- threads --------------------------------------------------------------------------------
 
@@ -186,25 +185,27 @@ class Downloader:
                 return
             self.error, self.state = message, "failed"
         self._stop.set()
-        if bad is not None:  # its bytes are not to be trusted: nothing of it is kept for a resume
-            bad.state.forget()
+        self.verifier.stop()
         with self._lock:  # under the lock: _complete closes a finished file's state under it
             for f in self.files:
-                if f.state._q is not None and f.left:
+                if f.state._q is not None and not f.placed:
+                    if f is bad:  # its bytes are not to be trusted: nothing of it is kept for a resume
+                        f.state.forget()
                     f.state.fail(message)
+        if bad is not None:
+            try:
+                os.unlink(arrival.partial_path(bad.path))
+            except OSError:
+                pass
 
     def _fetch(self, f: _File, start: int, end: int):
-        key = self.spec.key(f.obj.name)
         for attempt in range(SHORT_READ_RETRIES + 1):
-            try:
-                buf = s3.get_range(self.store, key, start, end, f.obj.etag)
-            except Exception as e:  # noqa: BLE001 - obstore's errors, already retried where transient
-                raise s3.describe(e, f"{self.spec.url}/{f.obj.name}", self.endpoint) from None
+            buf = self.source.get_range(f.obj, start, end)
             if len(buf) == end - start:
                 return buf
             if attempt == SHORT_READ_RETRIES:
                 raise HotstartError(
-                    f"{self.spec.url}/{f.obj.name}: bytes {start}-{end - 1} came back as "
+                    f"{self.source.url}/{f.obj.name}: bytes {start}-{end - 1} came back as "
                     f"{len(buf)} bytes {SHORT_READ_RETRIES + 1} times (a truncated object?)"
                 )
             time.sleep(0.1 * 2**attempt)
@@ -218,9 +219,9 @@ class Downloader:
             if not f.t_start:
                 f.t_start = time.time()
         buf = self._fetch(f, start, end)
-        if ci == 0 and header_size_check(self.spec, f.obj, buf) is None:
+        if ci == 0 and header_size_check(self.source.url, f.obj, buf) is None:
             n = int.from_bytes(bytes(buf[:8]), "little")
-            header_size_check(self.spec, f.obj, self._fetch(f, 0, 8 + n))
+            header_size_check(self.source.url, f.obj, self._fetch(f, 0, 8 + n))
         view = memoryview(buf)
         off = 0
         while off < len(view):
@@ -230,17 +231,37 @@ class Downloader:
             f.left -= 1
             self.written += end - start
             f._advance()  # the watermark moves only past written bytes
-            last = f.left == 0
+            last = f.left == 0 and f.verified
+        self.verifier.poke()
         if last:
             self._complete(f)
 
+    def _verified(self, f: _File) -> None:
+        with self._lock:
+            f.verified = True
+            f._advance()
+        self._guarded(f, self._complete)
+
+    def _mismatch(self, f: _File, text: str) -> None:
+        self._fail(f"{self.source.url}/{f.obj.name}: the downloaded bytes do not match the listed digest "
+                   f"({text}); nothing of it was kept", f)
+
+    def _guarded(self, f: _File, step: Callable[[_File], None]) -> None:
+        try:
+            step(f)
+        except OSError as e:
+            self._fail(f"{f.path}: cannot put the download in place: {e.strerror or e}")
+
     def _complete(self, f: _File) -> None:
-        os.fsync(f.fd)
         with self._lock:
-            os.close(f.fd)
-            f.fd = -1
-        os.replace(arrival.partial_path(f.path), f.path)
+            if f.fd < 0:  # completed already
+                return
+            fd, f.fd = f.fd, -1
+        os.fsync(fd)
+        os.close(fd)
+        self.layout.place(f.obj, arrival.partial_path(f.path))
         with self._lock:
+            f.placed = True
             f.state.set(STATE, COMPLETE)
             f.state.close()
         try:
@@ -253,7 +274,8 @@ class Downloader:
             f"downloaded {f.obj.name}",
             f.t_start or f.t_end,
             f.t_end,
-            f"{f.obj.size / 1e6:.0f} MB, {f.obj.size / max(took, 1e-9) / 1e9:.2f} GB/s",
+            f"{f.obj.size / 1e6:.0f} MB, {f.obj.size / max(took, 1e-9) / 1e9:.2f} GB/s"
+            + (", verified" if f.digest is not None else ""),
         )
 
     def _span(self, name: str, start: float, end: float, detail: str) -> None:
@@ -262,6 +284,18 @@ class Downloader:
                 self.on_span(Span(name, start, end, "download", detail))
             except Exception:  # noqa: BLE001, S110 - a progress report never breaks the download
                 pass
+
+    def _verify(self) -> None:
+        with self._lock:
+            self._tids.append(threading.get_native_id())
+        try:
+            self.verifier.run()
+        except OSError as e:
+            self._fail(f"cannot read back the download to verify it: {e.strerror or e}")
+        except Exception as e:  # noqa: BLE001 - a bug must not escape a daemon thread
+            self._fail(f"download check failed: {type(e).__name__}: {e}")
+        finally:
+            self._exit()
 
     def _work(self) -> None:
         with self._lock:
@@ -275,22 +309,25 @@ class Downloader:
                 try:
                     self._chunk(fi, ci)
                 except HotstartError as e:
-                    integrity = not isinstance(e, s3.StoreError) or e.status == 412
+                    integrity = not isinstance(e, StoreError) or self.source.integrity_error(e)
                     self._fail(str(e), self.files[fi] if integrity else None)
                 except OSError as e:
                     self._fail(f"{self.files[fi].path}: cannot write: {e.strerror or e}")
         except Exception as e:  # noqa: BLE001 - a bug must not escape a daemon thread
             self._fail(f"download failed: {type(e).__name__}: {e}")
         finally:
-            with self._lock:
-                self._alive -= 1
-                last = self._alive == 0
-            if last:
-                self._finish()
+            self._exit()
+
+    def _exit(self) -> None:
+        with self._lock:
+            self._alive -= 1
+            last = self._alive == 0
+        if last:
+            self._finish()
 
     def _finish(self) -> None:
         with self._lock:
-            ok = self.error is None and all(f.left == 0 for f in self.files)
+            ok = self.error is None and all(f.placed for f in self.files)
             if self.state == "running":
                 self.state = "done" if ok else "stopped"
             self.t_end = time.monotonic()
@@ -298,7 +335,7 @@ class Downloader:
             try:
                 self.on_done()
             except OSError as e:
-                self._fail(f"cannot write the download's manifest: {e.strerror or e}")
+                self._fail(f"cannot write the download's completion mark: {e.strerror or e}")
             total = sum(f.obj.size for f in self.files)
             self._span(
                 "weights downloaded",
@@ -308,6 +345,8 @@ class Downloader:
                 f"{self.written / max(self.t_end - self.t_start, 1e-9) / 1e9:.2f} GB/s, "
                 f"{self.cpu_seconds():.2f} CPU-s",
             )
+        if self.on_exit is not None:
+            self.on_exit()
         self._finished.set()
 
     def _checkpoint(self) -> None:
@@ -333,7 +372,7 @@ class Downloader:
             now = time.monotonic()
             with self._lock:
                 for f in self.files:
-                    if f.state._q is not None and f.left:
+                    if f.state._q is not None and not f.placed:
                         f.state.set(HEARTBEAT, time.time_ns())
             if self._stop.is_set() or now - last_cp >= CHECKPOINT_S:
                 self._checkpoint()
@@ -345,26 +384,10 @@ class Downloader:
             self._checkpoint()
 
     def _print_progress(self) -> None:
-        s = self.stats()
-        pct = 100 * s["bytes_done"] / max(1, s["bytes_total"])
-        eta = f", ETA {s['eta_s']:.0f} s" if s["eta_s"] else ""
+        if self.progress_to is None or not self.written:
+            return
         try:
-            self.progress_to.write(
-                f"hotstart: download {self.spec.url}: {pct:3.0f} % "
-                f"({s['bytes_done'] / 1e6:.0f} of {s['bytes_total'] / 1e6:.0f} MB), "
-                f"{s['rate_mbps']:.0f} MB/s{eta}\n"
-            )
+            self.progress_to.write(progress_line(self.source.url, self.stats()) + "\n")
             self.progress_to.flush()
         except (OSError, ValueError):
             pass
-
-
-def free_space_check(snap: Path, needed: int) -> None:
-    """HotstartError if SNAP's filesystem cannot hold NEEDED more bytes."""
-    free = shutil.disk_usage(snap).free
-    if free < needed:
-        raise HotstartError(
-            f"not enough disk space for the download in {snap}: {needed / 1e9:.2f} GB "
-            "needed, "
-            f"{free / 1e9:.2f} GB free (set HOTSTART_HOME to a larger disk)"
-        )

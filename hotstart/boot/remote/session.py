@@ -1,11 +1,12 @@
-"""open_remote(): from `s3://BUCKET/PREFIX` to a local folder whose weights are arriving (or are there).
+"""open_remote(): from a remote model (s3://BUCKET/PREFIX, a hub id) to a local folder whose weights are
+arriving (or are there). One pipeline; the store's backend is a Source (source.py).
 
-Steps, on the caller's (main) thread, all bounded: list the prefix (one request, few retries, so an
-unreachable store falls back to the cached copy quickly); a complete snapshot of that listing is
-served at once; otherwise take the snapshot's lock, fetch the sidecars (a thread each, whole-object
-GETs), order the weights as the engine loads them, and start the weight download (download.py).
-A snapshot locked by another live process is followed: its sidecars are awaited, its weights arrive
-through that process's download (the engine waits on the same arrival files).
+Steps, on the caller's (main) thread, all bounded: list the model's root (few retries, so an
+unreachable store falls back to the cached copy quickly); a complete copy of that listing is served at
+once; otherwise take the copy's lock, fetch the sidecars (a thread each, whole-file GETs, checked
+against the listed digests), order the weights as the engine loads them, and start the weight download
+(download.py). A copy locked by another live process is followed: its sidecars are awaited, its weights
+arrive through that process's download (the engine waits on the same arrival files).
 """
 
 from __future__ import annotations
@@ -19,25 +20,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hotstart.boot.remote import download, snapshot
-from hotstart.boot.remote import store as s3
-from hotstart.boot.remote.url import RemoteSpec, parse_remote
+from hotstart.boot.remote.source import StoreError, free_space_check
+from hotstart.boot.remote.verify import check_bytes
 from hotstart.errors import HotstartError
 from hotstart.messages import Span
 from hotstart.model import arrival
 from hotstart.system import hotstart_home
 
-LIST_RETRIES, LIST_RETRY_TIMEOUT_S = 2, 10
 SIDECAR_TIMEOUT_S = 120
 FOLLOW_WAIT_S = 60
 
 
 @dataclass
 class RemoteModel:
-    """A resolved s3:// model. source: "s3" (downloading now), "s3-cache" (complete copy, listing
-    agrees), "s3-offline" (store unreachable: the last complete copy), "s3-follow" (another process
-    downloads it)."""
+    """A resolved remote model. source: KIND (downloading now), KIND-cache (a complete copy, the listing
+    agrees), KIND-offline (store unreachable: the last complete copy), KIND-follow (another process
+    downloads it); KIND is s3, hf or modelscope."""
 
-    spec: RemoteSpec
+    spec: object  # the Source (its url, name, endpoint)
     path: Path
     source: str
     endpoint: str
@@ -60,7 +60,7 @@ class RemoteModel:
         if self.downloader is not None:
             return {**self.downloader.stats(), "source": self.source, "path": str(self.path)}
         return {
-            "state": {"s3-follow": "following"}.get(self.source, "cached"),
+            "state": "following" if self.source.endswith("-follow") else "cached",
             "source": self.source,
             "url": self.spec.url,
             "endpoint": self.endpoint,
@@ -71,91 +71,92 @@ class RemoteModel:
         if self.downloader is not None:
             self.downloader.stop()
 
+    def release(self) -> None:
+        fd, self.lock_fd = self.lock_fd, None
+        if fd is not None:
+            os.close(fd)
 
-def _warn(message: str) -> None:
+
+def warn(message: str) -> None:
     print(f"hotstart: WARNING: {message}", file=sys.stderr, flush=True)
 
 
 def open_remote(text: str, home: Path | None = None) -> RemoteModel:
-    """Resolve the remote spec TEXT (see the module docstring). HotstartError with one line on failure."""
-    spec = parse_remote(text)
-    list_store, shown, how = s3.open_store(
-        spec.bucket, retries=LIST_RETRIES, retry_timeout_s=LIST_RETRY_TIMEOUT_S
-    )
-    loc = snapshot.location_dir(home or hotstart_home(), shown, spec)
+    """Resolve the s3:// spec TEXT (see the module docstring). HotstartError with one line on failure."""
+    from hotstart.boot.remote.s3source import S3Source  # noqa: PLC0415 - imports obstore
+    from hotstart.boot.remote.url import parse_remote  # noqa: PLC0415
+
+    return open_source(S3Source(parse_remote(text), home or hotstart_home()))
+
+
+def offline_model(source, err: HotstartError, t: float) -> RemoteModel:
+    """The store did not answer: its last complete local copy with a warning line, else the error."""
+    cached = source.cached()
+    if cached is None:
+        raise HotstartError(f"{err}; no complete copy cached in {source.where_cached()}") from None
+    warn(f"{err}; serving the cached copy in {cached}")
+    return RemoteModel(source, cached, f"{source.kind}-offline", source.endpoint,
+                       spans=[Span(f"{source.kind} unreachable", t, time.time(), "download",
+                                   "cached copy served")])
+
+
+def open_source(source) -> RemoteModel:
+    """SOURCE listed, its sidecars in place, its weights complete or arriving."""
     t = time.time()
     try:
-        listing = s3.list_prefix(list_store, spec.prefix)
-    except Exception as e:  # noqa: BLE001 - obstore's errors, as one line
-        err = s3.describe(e, f"listing {spec.url}", shown)
-        if err.status is not None and err.status < 500:
-            raise err from None
-        cached = snapshot.current_snapshot(loc)
-        if cached is None:
-            raise HotstartError(f"{err}; no complete copy cached in {loc}") from None
-        _warn(f"{err}; serving the cached copy in {cached}")
-        return RemoteModel(
-            spec,
-            cached,
-            "s3-offline",
-            shown,
-            spans=[Span("s3 unreachable", t, time.time(), "download", "cached copy served")],
-        )
-    spans = [Span("s3 listed", t, time.time(), "download", f"{len(listing)} objects, credentials: {how}")]
-    sidecars, tensors = snapshot.candidates(spec, listing, shown)
-    snap = loc / snapshot.snapshot_key(sidecars, tensors)
-    if snapshot.complete(snap) is not None:
-        return RemoteModel(spec, snap, "s3-cache", shown, spans=spans)
+        listing = source.list()
+    except StoreError as err:
+        if not err.unreachable and not (source.fallback_on(err) and source.cached() is not None):
+            raise
+        return offline_model(source, err, t)
+    if listing.cached is not None:  # the store answered that the local copy is current
+        return RemoteModel(source, listing.cached, f"{source.kind}-cache", source.endpoint,
+                           spans=[Span(f"{source.kind} listed", t, time.time(), "download", listing.detail)])
+    spans = [Span(f"{source.kind} listed", t, time.time(), "download", listing.detail)]
+    sidecars, tensors = snapshot.candidates(source.url, listing.objects, source.endpoint,
+                                            place=source.place, extra=source.extra_sidecars)
+    layout = source.layout(listing, sidecars, tensors)
+    if layout.complete(sidecars, tensors):
+        return RemoteModel(source, layout.snap, f"{source.kind}-cache", source.endpoint, spans=spans)
     try:
-        snap.mkdir(parents=True, exist_ok=True)
-        snapshot.describe_location(loc, spec, shown)
-        lock_fd = _lock(snap)
+        layout.prepare()
+        lock_fd = _lock(layout.lock_path)
     except OSError as e:
-        raise HotstartError(f"cannot create the download cache {snap}: {e.strerror or e}") from None
+        raise HotstartError(f"cannot create the download cache {layout.snap}: {e.strerror or e}") from None
     if lock_fd is None:
-        return _follow(spec, snap, shown, sidecars, tensors, spans, home)
-    model = RemoteModel(spec, snap, "s3", shown, spans=spans, lock_fd=lock_fd)
+        return _follow(source, layout, sidecars, tensors, spans)
+    snap = layout.snap
+    model = RemoteModel(source, snap, source.kind, source.endpoint, spans=spans, lock_fd=lock_fd)
     try:
-        store, _, _ = s3.open_store(spec.bucket)
+        source.open()
         t = time.time()
-        _fetch_sidecars(store, spec, snap, sidecars, shown)
-        spans.append(
-            Span(
-                "sidecars downloaded",
-                t,
-                time.time(),
-                "download",
-                f"{len(sidecars)} files, {sum(o.size for o in sidecars) / 1e6:.1f} MB",
-            )
-        )
+        _fetch_sidecars(source, layout, sidecars)
+        spans.append(Span("sidecars downloaded", t, time.time(), "download",
+                          f"{len(sidecars)} files, {sum(o.size for o in sidecars) / 1e6:.1f} MB"))
         index = snap / snapshot.INDEX
-        weights = snapshot.weight_order(spec, tensors, index.read_text() if index.is_file() else None)
-        todo = [o for o in weights if not _have(snap / o.name, o.size)]
+        weights = snapshot.weight_order(source.url, tensors, index.read_text() if index.is_file() else None)
+        todo = [o for o in weights if not layout.have(o)]
         files = [download.prepare(snap, o) for o in todo]
         kept = sum(min(f.obj.size, f.resumed * download.CHUNK_BYTES) for f in files)
-        download.free_space_check(snap, sum(o.size for o in todo) - kept)
+        free_space_check(snap, sum(o.size for o in todo) - kept)
         objects = sidecars + weights
-        on_done = lambda: snapshot.write_manifest(snap, spec, shown, objects)  # noqa: E731
-        model.downloader = download.Downloader(store, spec, shown, files, on_done=on_done).start()
+        on_done = lambda: layout.finish(objects)  # noqa: E731
+        dl = download.Downloader(source, layout, files, on_done=on_done)
+        dl.on_exit = model.release  # done: no lock needed; stopped: resumed by the next one to lock it
+        model.downloader = dl.start()
     except OSError as e:
-        os.close(lock_fd)
+        model.release()
         raise HotstartError(f"cannot write the download cache {snap}: {e.strerror or e}") from None
     except BaseException:
-        os.close(lock_fd)
+        model.release()
         raise
     return model
 
 
-def _have(path: Path, size: int) -> bool:
-    try:
-        return path.stat().st_size == size
-    except OSError:
-        return False
-
-
-def _lock(snap: Path) -> int | None:
-    """The snapshot's lock fd (held until the process exits), or None if another process holds it."""
-    fd = os.open(f"{snap}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+def _lock(path: Path) -> int | None:
+    """The copy's lock fd (held until the process exits), or None if another process holds it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -166,31 +167,31 @@ def _lock(snap: Path) -> int | None:
     return fd
 
 
-def _fetch_sidecars(store, spec: RemoteSpec, snap: Path, sidecars: list, shown: str) -> None:
-    """Each sidecar whole, in parallel (a thread each: I/O only), each written to a temp name and renamed."""
+def _fetch_sidecars(source, layout, sidecars: list) -> None:
+    """Each sidecar whole, in parallel (a thread each: I/O only), checked against its listed digest and
+    put into place by the layout (temp name, rename)."""
     errors: list[HotstartError] = []
 
     def fetch(obj) -> None:
         try:
-            if _have(snap / obj.name, obj.size):
+            if layout.have(obj):
                 return
-            try:
-                key = spec.key(obj.name)
-                data = s3.get_range(store, key, 0, obj.size, obj.etag) if obj.size else b""
-            except Exception as e:  # noqa: BLE001 - obstore's errors, as one line
-                raise s3.describe(e, f"{spec.url}/{obj.name}", shown) from None
+            data = bytes(source.get_range(obj, 0, obj.size)) if obj.size else b""
             if len(data) != obj.size:
                 raise HotstartError(
-                    f"{spec.url}/{obj.name}: got {len(data)} bytes, the listing gives {obj.size}"
+                    f"{source.url}/{obj.name}: got {len(data)} bytes, the listing gives {obj.size}"
                 )
-            snapshot.write_atomic(snap / obj.name, bytes(data))
+            if (bad := check_bytes(obj, data)) is not None:
+                raise HotstartError(f"{source.url}/{obj.name}: the downloaded bytes do not match the listed "
+                                    f"digest ({bad})")
+            layout.write(obj, data)
         except HotstartError as e:
             errors.append(e)
         except OSError as e:
-            errors.append(HotstartError(f"cannot write {snap / obj.name}: {e.strerror or e}"))
+            errors.append(HotstartError(f"cannot write {layout.snap / obj.name}: {e.strerror or e}"))
 
     threads = [
-        threading.Thread(target=fetch, args=(o,), name=f"hotstart-s3-sidecar-{i}", daemon=True)
+        threading.Thread(target=fetch, args=(o,), name=f"hotstart-dl-sidecar-{i}", daemon=True)
         for i, o in enumerate(sidecars)
     ]
     for th in threads:
@@ -199,40 +200,35 @@ def _fetch_sidecars(store, spec: RemoteSpec, snap: Path, sidecars: list, shown: 
     for th in threads:
         th.join(max(0.0, deadline - time.monotonic()))
     if errors:
-        raise errors[0]
+        raise source.explain(errors[0])
     if any(th.is_alive() for th in threads):
         raise HotstartError(
-            f"{spec.url}: the config and tokenizer files did not arrive within {SIDECAR_TIMEOUT_S} s"
+            f"{source.url}: the config and tokenizer files did not arrive within {SIDECAR_TIMEOUT_S} s"
         )
 
 
-def _follow(spec, snap: Path, shown: str, sidecars: list, tensors: list, spans: list, home) -> RemoteModel:
-    """Another process holds SNAP's lock: wait until its sidecars are in and its weights complete or
+def _follow(source, layout, sidecars: list, tensors: list, spans: list) -> RemoteModel:
+    """Another process holds the copy's lock: wait until its sidecars are in and its weights complete or
     arriving (then the engine waits on them), or take over if it lets go."""
+    snap = layout.snap
     deadline = time.monotonic() + FOLLOW_WAIT_S
     while time.monotonic() < deadline:
-        if snapshot.complete(snap) is not None:
-            return RemoteModel(spec, snap, "s3-cache", shown, spans=spans)
-        if all(_have(snap / o.name, o.size) for o in sidecars):
+        if layout.complete(sidecars, tensors):
+            return RemoteModel(source, snap, f"{source.kind}-cache", source.endpoint, spans=spans)
+        if all(layout.have(o) for o in sidecars):
             index = snap / snapshot.INDEX
-            weights = snapshot.weight_order(spec, tensors, index.read_text() if index.is_file() else None)
-            if all(_have(snap / o.name, o.size) or arrival.arriving(snap / o.name) for o in weights):
-                spans.append(
-                    Span(
-                        "following a download",
-                        time.time(),
-                        time.time(),
-                        "download",
-                        "another hotstart process is downloading this snapshot",
-                    )
-                )
-                return RemoteModel(spec, snap, "s3-follow", shown, spans=spans)
-        fd = _lock(snap)
+            text = index.read_text() if index.is_file() else None
+            weights = snapshot.weight_order(source.url, tensors, text)
+            if all(layout.have(o) or arrival.arriving(snap / o.name) for o in weights):
+                spans.append(Span("following a download", time.time(), time.time(), "download",
+                                  "another hotstart process is downloading this copy"))
+                return RemoteModel(source, snap, f"{source.kind}-follow", source.endpoint, spans=spans)
+        fd = _lock(layout.lock_path)
         if fd is not None:  # it let go before finishing: this process downloads (and resumes) it
             os.close(fd)
-            return open_remote(f"{spec.name}={spec.url}", home)
+            return open_source(source)
         time.sleep(0.05)
     raise HotstartError(
-        f"{spec.url}: another hotstart process holds {snap}.lock and its download made no "
+        f"{source.url}: another hotstart process holds {layout.lock_path} and its download made no "
         f"progress in {FOLLOW_WAIT_S} s"
     )

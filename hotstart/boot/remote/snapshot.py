@@ -31,9 +31,15 @@ INDEX = "model.safetensors.index.json"
 
 @dataclass(frozen=True)
 class RemoteObject:
-    name: str  # file name under the prefix (no '/')
+    """A file of a remote model. ETAG: what pins its version (S3's ETag; a hub's blob id: the LFS sha256
+    or the git blob sha1). SHA256 / GIT_OID: the digests it is checked against before it counts as
+    complete (hubs give them; S3 does not)."""
+
+    name: str  # file name under the prefix or repository root (no '/')
     size: int
     etag: str
+    sha256: str | None = None
+    git_oid: str | None = None
 
 
 def _sha(text: str) -> str:
@@ -45,21 +51,24 @@ def location_dir(home: Path, endpoint: str, spec: RemoteSpec) -> Path:
 
 
 def candidates(
-    spec: RemoteSpec, listing: list[dict], endpoint: str
+    where: str, objects: list[RemoteObject], endpoint: str, *, place: str = "under this prefix",
+    extra: tuple[str, ...] = (),
 ) -> tuple[list[RemoteObject], list[RemoteObject]]:
-    """(sidecars, safetensors files) of a listing; HotstartError for a prefix without a model."""
-    if not listing:
-        raise HotstartError(f"{spec.url}: no objects under this prefix (endpoint {endpoint})")
-    by_name = {o["name"]: RemoteObject(o["name"], o["size"], o["etag"]) for o in listing}
+    """(sidecars, safetensors files) among OBJECTS (the files at the model's root; EXTRA: more sidecar
+    names worth fetching); HotstartError naming WHERE for a place without a model."""
+    if not objects:
+        raise HotstartError(f"{where}: no objects {place} (endpoint {endpoint})")
+    by_name = {o.name: o for o in objects if o.name not in ("", ".", "..") and not set(o.name) & {"/", "\0"}}
     if "config.json" not in by_name:
         shown = ", ".join(sorted(by_name)[:5]) + (", ..." if len(by_name) > 5 else "")
-        raise HotstartError(f"{spec.url}: no config.json under this prefix (found: {shown})")
-    sidecars = [by_name[n] for n in SIDECAR_NAMES if n in by_name]
+        raise HotstartError(f"{where}: no config.json {place} (found: {shown})")
+    sidecars = [by_name[n] for n in (*SIDECAR_NAMES, *extra) if n in by_name]
     tensors = sorted((o for n, o in by_name.items() if n.endswith(".safetensors")), key=lambda o: o.name)
     if not tensors:
         other = sorted(n for n in by_name if n.endswith((".bin", ".pt", ".pth", ".gguf")))[:3]
-        hint = f" (found {', '.join(other)}: hotstart loads safetensors only)" if other else ""
-        raise HotstartError(f"{spec.url}: no safetensors weights under this prefix{hint}")
+        hint = (f" (found {', '.join(other)}: hotstart loads safetensors only, never pickle or GGUF from a "
+                "remote store)") if other else ""
+        raise HotstartError(f"{where}: no safetensors weights {place}{hint}")
     return sidecars, tensors
 
 
@@ -67,7 +76,7 @@ def snapshot_key(sidecars: list[RemoteObject], tensors: list[RemoteObject]) -> s
     return _sha(json.dumps([[o.name, o.size, o.etag] for o in sidecars + tensors]))
 
 
-def weight_order(spec: RemoteSpec, tensors: list[RemoteObject], index_text: str | None) -> list[RemoteObject]:
+def weight_order(where: str, tensors: list[RemoteObject], index_text: str | None) -> list[RemoteObject]:
     """The weights in the engine's load order (hotstart.model.files.weight_files' rules): the index's
     shards sorted, else model.safetensors, else every *.safetensors by name. HotstartError if the
     index names a shard the listing lacks."""
@@ -76,15 +85,15 @@ def weight_order(spec: RemoteSpec, tensors: list[RemoteObject], index_text: str 
         try:
             data = json.loads(index_text)
         except ValueError as e:
-            raise HotstartError(f"{spec.url}/{INDEX}: invalid JSON ({e})") from None
+            raise HotstartError(f"{where}/{INDEX}: invalid JSON ({e})") from None
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
-            raise HotstartError(f"{spec.url}/{INDEX}: has no weight_map")
+            raise HotstartError(f"{where}/{INDEX}: has no weight_map")
         names = sorted(set(map(str, weight_map.values())))
         missing = [n for n in names if n not in by_name]
         if missing:
             raise HotstartError(
-                f"{spec.url}/{INDEX} names shard {missing[0]}, which the listing of {spec.url} does not have"
+                f"{where}/{INDEX} names shard {missing[0]}, which the listing of {where} does not have"
             )
         return [by_name[n] for n in names]
     if "model.safetensors" in by_name:
@@ -92,10 +101,10 @@ def weight_order(spec: RemoteSpec, tensors: list[RemoteObject], index_text: str 
     return sorted(tensors, key=lambda o: o.name)
 
 
-def header_size_check(spec: RemoteSpec, obj: RemoteObject, head: bytes) -> int | None:
+def header_size_check(url: str, obj: RemoteObject, head: bytes) -> int | None:
     """Bytes of the safetensors header (8 + its length) if HEAD holds all of it and it agrees with the
     listed size, None if HEAD is too short to tell; HotstartError if they disagree."""
-    where = f"{spec.url}/{obj.name}"
+    where = f"{url}/{obj.name}"
     if len(head) < 8:
         return None
     n = int.from_bytes(head[:8], "little")

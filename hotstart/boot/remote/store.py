@@ -25,6 +25,7 @@ from datetime import timedelta
 import obstore
 from obstore.store import S3Store
 
+from hotstart.boot.remote.source import StoreError
 from hotstart.errors import HotstartError
 
 CONNECT_TIMEOUT_S = 5
@@ -34,14 +35,6 @@ RETRIES = 5  # obstore retries 5xx, dropped connections and timeouts with expone
 RETRY_TIMEOUT_S = 60
 _STATUS = re.compile(r"status code: (\d{3})")
 _CODE = re.compile(r"<Code>([^<]{1,64})</Code>")
-
-
-class StoreError(HotstartError):
-    """A failed request: `status` is its HTTP status when the store answered (else None)."""
-
-    def __init__(self, message: str, status: int | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.code = status, code
 
 
 def _profile(name: str, env) -> dict[str, str]:
