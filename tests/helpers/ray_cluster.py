@@ -49,8 +49,8 @@ def free_port() -> int:
 
 
 class LoopbackCluster:
-    def __init__(self, workers: int = 2) -> None:
-        self.workers = workers
+    def __init__(self, workers: int = 2, cpus: int = 1) -> None:
+        self.workers, self.cpus = workers, cpus  # CPUS: each worker node's
         self.tag = f"ray-{uuid.uuid4().hex[:8]}"
         self.tmp = tempfile.mkdtemp(prefix="hsr-", dir="/tmp")  # short: Ray's socket paths live under it
         self.runtime = os.path.join(self.tmp, "rt")
@@ -79,7 +79,7 @@ class LoopbackCluster:
             "include_dashboard": False})
         for i in range(self.workers):
             self.nodes.append(self.cluster.add_node(
-                num_cpus=1, resources={"hotstart": 1, f"node{i + 1}": 1},
+                num_cpus=self.cpus, resources={"hotstart": 1, f"node{i + 1}": 1},
                 object_store_memory=NODE_OBJECT_STORE))
         self.cluster.wait_for_nodes(timeout)
         ray.init(address=self.cluster.address, log_to_driver=False, namespace="hotstart-tests")
@@ -122,6 +122,7 @@ class LoopbackCluster:
         if self.cluster is not None:
             with contextlib.suppress(Exception):
                 self.cluster.shutdown()
+            self.cluster = None
         deadline = time.monotonic() + timeout
         left = self.leftovers()
         while left and time.monotonic() < deadline:
@@ -130,11 +131,12 @@ class LoopbackCluster:
         for p in left:
             with contextlib.suppress(Exception):
                 p.kill()
-        for k, v in self._saved.items():
+        for k, v in self._saved.items():  # (a second stop changes nothing)
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        self._saved = {}
         import shutil
 
         shutil.rmtree(self.tmp, ignore_errors=True)
