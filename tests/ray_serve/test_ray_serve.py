@@ -1,6 +1,7 @@
-"""hotstart.ray on a real 3-node Ray cluster on loopback (tests/helpers/ray_cluster.py): the default model behind
-Ray Serve's proxy, scaled from zero, up under load, back to zero, through the loss of a node, and nothing left
-after `serve shutdown` and the cluster's stop. The tests run in this order on one cluster and one application."""
+"""hotstart.ray on a real 3-node Ray cluster on loopback (tests/helpers/ray_cluster.py): the default model
+behind Ray Serve's proxy, scaled from zero, up under load, back to zero, through the loss of a node, and
+nothing left after `serve shutdown` and the cluster's stop. The tests run in this order on one cluster and
+one application."""
 
 from __future__ import annotations
 
@@ -52,7 +53,13 @@ def hotstart_procs(cluster) -> list:
 
 
 @pytest.fixture(scope="module")
-def cluster(default_model_dir):
+def direct(default_model_dir):
+    """`hotstart serve` with the same flags, started first: its start overlaps the cluster's."""
+    yield from serving("--max-model-len", "512", "--dtype", "float32", wait_ready=False)
+
+
+@pytest.fixture(scope="module")
+def cluster(direct):
     c = LoopbackCluster()
     try:
         c.start()
@@ -96,7 +103,7 @@ def test_scale_from_zero_on_a_request(cluster, app):
         assert "libtorch" not in f.read()
 
 
-def test_answers_equal_hotstart_serve(app):
+def test_answers_equal_hotstart_serve(app, direct):
     bodies = {
         "/v1/chat/completions": CHAT,
         "/v1/completions": {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8,
@@ -127,15 +134,15 @@ def test_answers_equal_hotstart_serve(app):
         return out
 
     via_ray = answers(app)
-    for server in serving("--max-model-len", "512", "--dtype", "float32"):
-        direct = answers(server.url)
-    assert via_ray == direct
+    assert wait_for(lambda: httpx.get(direct.url + "/health", timeout=5).status_code == 200, 120)
+    assert via_ray == answers(direct.url)
     assert via_ray["stream"] == via_ray["/v1/chat/completions"] and via_ray["bad"][0] == 400
 
 
 def test_scale_up_under_load(app):
     stop, codes = threading.Event(), []
-    body = {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 48, "ignore_eos": True, "temperature": 0}
+    body = {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 48, "ignore_eos": True,
+            "temperature": 0}
 
     def client() -> None:
         while not stop.is_set():
@@ -155,7 +162,8 @@ def test_scale_up_under_load(app):
 
 
 def test_scale_to_zero_when_idle(cluster, app):
-    assert wait_for(lambda: replicas().get("RUNNING", 0) == 0 and not replicas().get("STOPPING"), 90), replicas()
+    idle = wait_for(lambda: replicas().get("RUNNING", 0) == 0 and not replicas().get("STOPPING"), 90)
+    assert idle, replicas()
     # each node that ran a replica keeps a zygote for the next one (and no engine, no forkserver)
     left = hotstart_procs(cluster)
     assert any("hotstart.forkserver.zygote" in cmd for _, cmd in left), left

@@ -30,7 +30,8 @@ def test_arguments_are_hotstart_serve_s_flags_and_ray_s_options():
     assert opts.ray["max_ongoing_requests"] == 2 * opts.spec.engine["max_num_seqs"]
     assert opts.ray["graceful_shutdown_timeout_s"] == opts.spec.serve.shutdown_timeout
     defaults = parse({})
-    assert defaults.spec.model is None and defaults.ray["min_replicas"] == 1 and defaults.ray["max_replicas"] == 1
+    assert defaults.spec.model is None
+    assert (defaults.ray["min_replicas"], defaults.ray["max_replicas"]) == (1, 1)
 
 
 @pytest.mark.parametrize("args, words", [
@@ -66,7 +67,8 @@ def test_deployment_options_follow_ray_s_names():
 def _ctx(running=(), waiting=(), http=(), ray_running=0.0, queued=0.0, target=4):
     m = {"hotstart_running": dict(enumerate(running)), "hotstart_waiting": dict(enumerate(waiting)),
          "hotstart_http_in_flight": dict(enumerate(http))}
-    return SimpleNamespace(aggregated_metrics=m, total_running_requests=ray_running, total_queued_requests=queued,
+    return SimpleNamespace(aggregated_metrics=m, total_running_requests=ray_running,
+                           total_queued_requests=queued,
                            config=SimpleNamespace(target_ongoing_requests=target))
 
 
@@ -122,7 +124,8 @@ def test_proxy_answers_an_unanswered_request_503_openai_shaped():
 
 def test_proxy_rewrites_ray_s_plain_text_errors_and_passes_the_rest():
     async def plain(scope, receive, send):
-        await send({"type": "http.response.start", "status": 503, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.start", "status": 503,
+                    "headers": [(b"content-type", b"text/plain")]})
         await send({"type": "http.response.body", "body": b"Deployment unavailable", "more_body": False})
 
     start, body = _run(plain)
