@@ -148,3 +148,16 @@ def test_neither_the_cli_nor_the_api_path_imports_ray():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.skipif(ray_unavailable() is not None, reason=str(ray_unavailable()))
+def test_serve_run_finds_the_builder_and_passes_its_arguments():
+    """What `serve run hotstart.ray:app KEY=VALUE ...` does: import the attribute, call it with strings."""
+    from ray._common.utils import import_attr
+    from ray.serve import Application
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary as call
+
+    builder = import_attr("hotstart.ray:app")
+    assert isinstance(call(builder, {"model": "x", "min_replicas": "0", "max_replicas": "2"}), Application)
+    with pytest.raises(ValueError, match="--max-model-len"):
+        call(builder, {"max_model_len": "no"})
