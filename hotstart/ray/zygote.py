@@ -6,9 +6,10 @@ does that (~1-2.5 s, every time a replica starts), or a zygote that did it once 
 The first replica on a node starts its own forkserver (no wait on anything), and once its engine is READY
 (the CPU idle again) asks for the node's zygote: a detached actor named for the application, the node and the
 replica's import-time environment (OMP_NUM_THREADS, which Ray sets from num_cpus, ...), pinned to the node by
-NodeAffinitySchedulingStrategy, owning no CPU. It runs `python -m hotstart.forkserver.zygote` on a private
-socket folder of that node (HOTSTART_RUNTIME_DIR, under this user's runtime folder), which every later
-replica of the application on the node finds at its t=0 (a scale from zero, a scale up, a replacement).
+NodeAffinitySchedulingStrategy, owning no CPU, watching its application from a thread. It runs `python -m
+hotstart.forkserver.zygote` on a private socket folder of that node (HOTSTART_RUNTIME_DIR, under this user's
+runtime folder), which every later replica of the application on the node finds at its t=0 (a scale from
+zero, a scale up, a replacement).
 
 Engines forked by it run as the zygote's children, with the replica's environment and output, and die with the
 replica (its lifeline), with the zygote and with the node. The actor ends itself (and its zygote) within
@@ -18,11 +19,12 @@ node. Cost: one idle Ray worker and one zygote (~240 MB RSS, shared copy-on-writ
 
 from __future__ import annotations
 
-import asyncio
 import binascii
 import json
 import logging
 import os
+import threading
+import time
 
 import ray
 
@@ -46,7 +48,7 @@ class NodeZygote:
     """The zygote of one node (see the module docstring); RUN_DIR: its socket folder, ENV: its import env."""
 
     def __init__(self, app: str, run_dir: str, env: dict[str, str]) -> None:
-        self.app, self.run_dir, self.watching = app, run_dir, False
+        self.app, self.run_dir = app, run_dir
         problem = ensure_private_dir(os.path.dirname(run_dir)) or ensure_private_dir(run_dir)
         if problem is not None:
             raise RuntimeError(f"hotstart zygote folder not usable: {problem}")
@@ -54,28 +56,32 @@ class NodeZygote:
         keep = {k: v for k, v in os.environ.items() if k not in import_env()}
         self.proc = control.spawn(p, [], detach=False, env={**keep, **env, "HOTSTART_RUNTIME_DIR": run_dir})
         self.info = control.wait_ready(p, self.proc)
+        from ray import serve  # noqa: PLC0415 - Serve's client, in this actor only
+        from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE  # noqa: PLC0415
+
+        serve.status()  # its lazy imports, here on the actor's thread: the watcher below only calls
+        threading.Thread(target=self._watch, args=(serve, SERVE_CONTROLLER_NAME, SERVE_NAMESPACE),
+                         daemon=True, name="hotstart-zygote-watch").start()
         log.info("hotstart: node zygote pid %d for %s in %s", self.info.pid, app, run_dir)
 
     def pid(self) -> int:
         return self.info.pid
 
-    async def watch(self) -> None:
-        """Return once the application is gone, then end this actor (its zygote with it)."""
-        from ray import serve  # noqa: PLC0415 - Serve's client, in this actor only
-
-        if self.watching:
-            return
-        self.watching = True
+    def _watch(self, serve, controller: str, namespace: str) -> None:
+        """A daemon thread (RPCs only: its imports were made by the constructor): once the application is
+        gone,
+        stop the zygote and end this actor."""
         while self.proc.poll() is None:
-            await asyncio.sleep(WATCH_S)
-            try:
-                apps = serve.status().applications  # one call to the controller (ms), on this actor's loop
+            time.sleep(WATCH_S)
+            try:  # a GCS lookup first: a Serve client cached for a killed controller would wait on it
+                ray.get_actor(controller, namespace=namespace)
+                apps = serve.status().applications  # one call to the controller (ms)
             except Exception:  # noqa: BLE001 - no controller: Serve is shut down
                 apps = {}
             if self.app not in apps:
                 break
         self.stop()
-        ray.actor.exit_actor()
+        ray.kill(ray.get_runtime_context().current_actor)
 
     def stop(self) -> None:
         from hotstart.procs import terminate_then_kill  # noqa: PLC0415 - stdlib only
@@ -95,4 +101,4 @@ def ensure(run_dir: str, app: str, node_id: str, env: dict[str, str]) -> None:
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         runtime_env={"env_vars": env},
     ).remote(app, run_dir, env)
-    actor.watch.remote()  # one more watcher on an existing actor returns with the first
+    del actor  # detached: it lives on without this handle

@@ -83,7 +83,7 @@ class LoopbackCluster:
                 object_store_memory=NODE_OBJECT_STORE))
         self.cluster.wait_for_nodes(timeout)
         ray.init(address=self.cluster.address, log_to_driver=False, namespace="hotstart-tests")
-        serve.start(http_options={"host": "127.0.0.1", "port": self.port, "location": "HeadOnly"})
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": self.port})
         return self
 
     def node_of(self, node_id: str):
