@@ -7,6 +7,9 @@ With tensor parallelism (WORLD_SIZE > 1) every rank joins the group first and bu
 TensorParallelExecutor (engine/executor.py): rank 0 is that engine and its executor broadcasts each step
 to the other ranks, which run the executor's follow() loop and talk to nobody else. Every rank beats
 from its first moment (hotstart/heartbeat.py): the API process's supervisor kills a silent one.
+Where other models serve (cfg.background_load) the load and the fast path's build run on a helper
+thread at low CPU priority (engine/cpu_share.py). SIGTERM, like a Shutdown message, ends the loop after
+the current step; the prefix cache on disk (engine/kv_store.py) then writes what it has not yet.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from hotstart import heartbeat, logs
 from hotstart.config import EngineConfig
 from hotstart.engine import distributed
 from hotstart.engine.core import EngineCore
+from hotstart.engine.cpu_share import Background
 from hotstart.engine.fastpath import FastPath
 from hotstart.errors import HotstartError
 from hotstart.messages import (
@@ -118,11 +122,13 @@ def run_engine(cfg: EngineConfig, addresses: EngineAddresses, rank: int = 0, wor
     send = lambda msg: push.send(encoder.encode(msg))  # noqa: E731
 
     cursor = group = None
+    background = Background() if cfg.background_load and world_size == 1 else None
+    run = background.run if background is not None else lambda fn, *a, **k: fn(*a, **k)
     try:
         cursor = _open_cursor(cfg, 0)
         if world_size > 1:
             group = _join(cfg, addresses, 0, world_size, send)
-        core = EngineCore.build(cfg, send, cursor.advance if cursor else None, group=group)
+        core = run(EngineCore.build, cfg, send, cursor.advance if cursor else None, group=group)
     except BaseException as e:  # noqa: BLE001 - any startup failure is reported, then the process exits
         send(EngineFailed(_fatal_message(e)))
         push.close(linger=2000)
@@ -138,8 +144,10 @@ def run_engine(cfg: EngineConfig, addresses: EngineAddresses, rank: int = 0, wor
     fast = FastPath(core, cfg.compile, cfg.compile_bucket_sizes(), send)
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
+    stop: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.append(signum))
     running = True
-    while running:
+    while running and not stop:
         timeout = (
             0
             if core.has_work() or fast.packing_left()
@@ -180,9 +188,19 @@ def run_engine(cfg: EngineConfig, addresses: EngineAddresses, rank: int = 0, wor
         else:
             core.executor.heartbeat()
         if running:
-            fast.tick(idle=not core.has_work())  # between two steps: swaps in what is ready
+            idle = not core.has_work()
+            if fast.busy():  # between two steps: a piece of the build, what is ready swapped in
+                run(fast.tick, idle=idle)
+            else:
+                fast.tick(idle=idle)  # reports its step counts
+            if core.store is not None:
+                core.store.tick(idle)
     core.executor.shutdown()
     fast.close()
+    if core.store is not None:
+        core.store.close()
+    if background is not None:
+        background.close()
     push.close(linger=1000)
     pull.close(linger=0)
     ctx.term()
