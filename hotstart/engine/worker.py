@@ -7,16 +7,19 @@ With tensor parallelism (WORLD_SIZE > 1) every rank joins the group first and bu
 TensorParallelExecutor (engine/executor.py): rank 0 is that engine and its executor broadcasts each step
 to the other ranks, which run the executor's follow() loop and talk to nobody else. Every rank beats
 from its first moment (hotstart/heartbeat.py): the API process's supervisor kills a silent one.
-Where other models serve (cfg.background_load) the load and the fast path's build run on a helper
-thread at low CPU priority (engine/cpu_share.py). SIGTERM, like a Shutdown message, ends the loop after
-the current step; the prefix cache on disk (engine/kv_store.py) then writes what it has not yet.
+Where other models serve (cfg.background_load) the load runs on a helper thread at low CPU priority and
+the fast path's build with one torch thread (engine/cpu_share.py). SIGTERM, like a Shutdown message,
+ends the loop after the current step; the prefix cache on disk (engine/kv_store.py) then writes what
+it has not yet.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -141,12 +144,14 @@ def run_engine(cfg: EngineConfig, addresses: EngineAddresses, rank: int = 0, wor
     device = core.placement.device
     send(EngineReady(os.getpid(), str(device), str(core.placement.dtype).removeprefix("torch."),
                      core.max_model_len, cfg.block_size, core.blocks.num_blocks, cfg.max_num_seqs))
-    fast = FastPath(core, cfg.compile, cfg.compile_bucket_sizes(), send)
+    fast = FastPath(core, cfg.compile, cfg.compile_bucket_sizes(), send,
+                    **({"popen": lambda *a, **k: run(subprocess.Popen, *a, **k)} if background else {}))
+    few_threads = background.few_threads if background is not None else contextlib.nullcontext
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
     stop: list[int] = []
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.append(signum))
-    running = True
+    running, first_step = True, True
     while running and not stop:
         timeout = (
             0
@@ -179,20 +184,22 @@ def run_engine(cfg: EngineConfig, addresses: EngineAddresses, rank: int = 0, wor
                     running = False
         if running and core.has_work():
             heart.step_began()
+            t_step = time.time()
             try:
                 outputs = core.step()
             except RuntimeError as e:
                 core.executor.step_failed(e)
             heart.step_ended()
             send(StepOutputs(outputs, core.stats()))
+            if first_step:  # a swap's timeline: READY -> the first request's first step
+                send(Span("first step", t_step, time.time(), "engine"))
+                first_step = False
         else:
             core.executor.heartbeat()
         if running:
             idle = not core.has_work()
-            if fast.busy():  # between two steps: a piece of the build, what is ready swapped in
-                run(fast.tick, idle=idle)
-            else:
-                fast.tick(idle=idle)  # reports its step counts
+            with few_threads() if fast.busy() else contextlib.nullcontext():
+                fast.tick(idle=idle)  # between two steps: a piece of the build, what is ready swapped in
             if core.store is not None:
                 core.store.tick(idle)
     core.executor.shutdown()

@@ -236,6 +236,7 @@ class ModelRouter:
             async with self._admit:
                 await self._make_room(rec)
                 transition(rec, State.LOADING)
+            rec.extra["room_s"] = time.time() - t0  # a swap's first part: evictions (benchmarks/swap.py)
             self.notify()
             client = await self.start_engine(rec)
             if rec.state is not State.LOADING:  # its engine failed while it started (engine_fatal)

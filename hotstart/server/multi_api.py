@@ -245,7 +245,8 @@ class MultiServing:
     async def startup(self) -> Response:
         models = {}
         for rec in self.router.records.values():
-            entry: dict[str, Any] = {"state": rec.state.value, "load_seconds": rec.load_seconds}
+            entry: dict[str, Any] = {"state": rec.state.value, "load_seconds": rec.load_seconds,
+                                     "room_seconds": rec.extra.get("room_s")}
             if rec.serving is not None:
                 entry.update(rec.serving.startup_body(None))
             elif "timeline" in rec.extra:

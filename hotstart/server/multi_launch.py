@@ -219,6 +219,8 @@ def serving_maker(cfg: ServeConfig, drain, store):
         )
         if "metrics" not in rec.extra:
             rec.extra["metrics"] = Metrics(rec.name)  # vLLM's series labelled model_name=NAME
+        if "timeline" in rec.extra:
+            rec.extra["timeline"].mark("model serving")
         return OpenAIServing(rec.client, rec.tokenizer, settings, metrics=rec.extra["metrics"], drain=drain,
                              store=store)
 
