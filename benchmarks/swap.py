@@ -1,12 +1,13 @@
 """Swaps and the prefix cache that survives (issues 24, 44): every goal of issue 44 in one interleaved run.
 
     python benchmarks/swap.py A B C [--big BIG] [--rounds 3] [--system-tokens 2000]
-        [--variants 'default;flat=HOTSTART_LOAD_NICE=0,HOTSTART_LOAD_THREADS=0'] [--restart hotstart,llamacpp]
+        [--variants 'default;flat=HOTSTART_LOAD_NICE=0,HOTSTART_LOAD_THREADS=0;cold=--no-prefetch']
+        [--restart hotstart,llamacpp]
         [--out swap.json] [-- SERVE FLAGS...]
 
 One `hotstart serve a=A b=B c=C [d=BIG] --max-loaded-models 2 --pin c --keep-alive -1` per round and
-variant (VAR=value environments of the server, interleaved in each round), its KV blocks in a private
-folder. Per round, after one warm-up load of each model (tokenizer, page cache):
+variant (a variant: VAR=value environment words and more serve flags; variants interleave in each round),
+its KV blocks in a private folder. Per round, after one warm-up load of each model (tokenizer, page cache):
   swap            first token of a 4-token streamed completion for the unloaded one of a / b (the other is
                   evicted); `loaded` the same request again (the floor); the swap's timeline from /startup
                   (evictions, fork, weights, engine ready, first request served)
@@ -17,7 +18,8 @@ folder. Per round, after one warm-up load of each model (tokenizer, page cache):
   prefix          a chat request with a --system-tokens system prompt never seen (cold prefill), the same
                   prompt again with another question (warm prefix cache), then after an unload and a load of
                   the model (prefix read back from disk), and after a restart of the server (a new server,
-                  the model loaded, then the request): TTFT of each
+                  the model loaded, then the request): TTFT of each, each once the model's fast path is
+                  built (/startup), so that all four run on the path it serves on for good
 --restart K,...: once per round, a fresh server of A (hotstart, vllm, llamacpp from `make peers`) timed from
 launch to its first chat answer (the alternative to swapping). Medians are printed, every sample in --out.
 """
@@ -28,6 +30,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -37,7 +40,7 @@ import time
 import httpx
 
 from hotstart.bench.process import Server
-from hotstart.bench.servers import hotstart_spec, peer_spec
+from hotstart.bench.servers import fast_path_built, hotstart_spec, peer_spec
 
 QUIET_S = 1.5
 PHASES = ("engine forked", "weights loaded", "KV cache allocated", "engine ready", "model serving",
@@ -127,9 +130,19 @@ def timeline(url: str, model: str) -> dict[str, float]:
     return out
 
 
-def launch(args, env: dict, models: list[str]) -> Server:
+def settle(url: str, model: str, timeout: float = 300.0) -> None:
+    """Until MODEL's fast path is built: the prefix TTFTs compare the path it serves on for good."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        entry = httpx.get(url + "/startup", timeout=30).json()["models"][model]
+        if fast_path_built(entry.get("fast_path") or {}):
+            return
+        time.sleep(0.5)
+
+
+def launch(args, env: dict, flags: list[str], models: list[str]) -> Server:
     argv = [sys.executable, "-m", "hotstart", "serve", *models, "--port", "0", "--max-loaded-models", "2",
-            "--pin", "c", "--keep-alive", "-1", *args.serve]
+            "--pin", "c", "--keep-alive", "-1", *args.serve, *flags]
     srv = Server.launch(argv, tag="hotstart swap", env={**os.environ, **env})
     deadline = time.perf_counter() + 600
     srv.wait_url(deadline)
@@ -137,8 +150,8 @@ def launch(args, env: dict, models: list[str]) -> Server:
     return srv
 
 
-def one_round(args, env: dict, models: list[str], r: int, s: dict[str, list]) -> None:
-    srv = launch(args, env, models)
+def one_round(args, env: dict, flags: list[str], models: list[str], r: int, s: dict[str, list]) -> None:
+    srv = launch(args, env, flags, models)
     url = srv.url
     try:
         for m in ("a", "b", *(["d"] if args.big else [])):
@@ -173,16 +186,19 @@ def one_round(args, env: dict, models: list[str], r: int, s: dict[str, list]) ->
         if stream.error:
             s["errors"].append(stream.error)
         system = system_prompt(url, "a", args.system_tokens, seed=1000 * r + len(s["cold"]))
+        settle(url, "a")
         s["cold"].append(first_token(url, "a", chat(system, "Summarise it.")))
         s["warm"].append(first_token(url, "a", chat(system, "Which word comes first?")))
         httpx.post(f"{url}/v1/models/a/unload", timeout=60).raise_for_status()
         httpx.post(f"{url}/v1/models/a/load", json={}, timeout=600).raise_for_status()
+        settle(url, "a")
         s["after unload"].append(first_token(url, "a", chat(system, "How many words are there?")))
     finally:
         srv.stop()
-    srv = launch(args, env, models)
+    srv = launch(args, env, flags, models)
     try:
         httpx.post(f"{srv.url}/v1/models/a/load", json={}, timeout=600).raise_for_status()
+        settle(srv.url, "a")
         s["after restart"].append(first_token(srv.url, "a", chat(system, "Which word comes last?")))
     finally:
         srv.stop()
@@ -229,7 +245,8 @@ def main() -> int:
     p.add_argument("--big", default=None, metavar="MODEL")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--system-tokens", type=int, default=2000)
-    p.add_argument("--variants", default="default", help="NAME[=VAR=value,...];... (server environments)")
+    p.add_argument("--variants", default="default",
+                   help="NAME[=VAR=value,--flag,...];... (server environments and more serve flags)")
     p.add_argument("--restart", default="", help="comma-separated: hotstart,vllm,llamacpp")
     p.add_argument("--out", default=None)
     argv = sys.argv[1:]
@@ -237,21 +254,26 @@ def main() -> int:
     args = p.parse_args(argv[:cut])
     args.serve = argv[cut + 1:]  # more `hotstart serve` flags
     models = [f"a={args.a}", f"b={args.b}", f"c={args.c}", *([f"d={args.big}"] if args.big else [])]
-    variants = {}
+    variants = {}  # name -> (environment, more serve flags)
     for item in args.variants.split(";"):
-        name, _, envs = item.partition("=")
-        variants[name.strip()] = dict(e.split("=", 1) for e in envs.split(",") if "=" in e)
+        name, _, words = item.partition("=")
+        words = [w.strip() for w in words.split(",") if w.strip()]
+        variants[name.strip()] = (dict(w.split("=", 1) for w in words if not w.startswith("--")),
+                                  [w for w in words if w.startswith("--")])
     keys = ("swap", "loaded", "swap 7B", "beside stream", "gap ms", "rate ratio", "cold", "warm",
             "after unload", "after restart", "unload / warm", "unload / cold", "restart / warm",
             "restart / cold", "timeline", "errors")
     samples = {v: {k: [] for k in keys} for v in variants}
     restarts: dict[str, list[float]] = {k: [] for k in args.restart.split(",") if k}
     kv = tempfile.mkdtemp(prefix="hotstart-swap-kv-")  # blocks of this run only
-    for r in range(args.rounds):
-        for name, env in variants.items():
-            one_round(args, {"HOTSTART_KV_DIR": kv, **env}, models, r, samples[name])
-        for k in restarts:
-            restarts[k].append(restart_s(k, args.a))
+    try:
+        for r in range(args.rounds):
+            for name, (env, flags) in variants.items():
+                one_round(args, {"HOTSTART_KV_DIR": kv, **env}, flags, models, r, samples[name])
+            for k in restarts:
+                restarts[k].append(restart_s(k, args.a))
+    finally:
+        shutil.rmtree(kv, ignore_errors=True)
     report(samples)
     for k, v in restarts.items():
         print(f"restart {k}: median {statistics.median(v):.3f} s (n={len(v)})")

@@ -12,7 +12,7 @@ thread waits while the helper works. After READY the fast path's pieces run on t
 swap weights between two steps), with one torch thread: a helper lowered for good would hold the
 engine's own requests while it waited for CPU behind the other models.
 
-HOTSTART_LOAD_NICE (default 19) and HOTSTART_LOAD_THREADS (default 1; 0 = the main thread's count) are
+HOTSTART_LOAD_NICE (default 10) and HOTSTART_LOAD_THREADS (default 1; 0 = the main thread's count) are
 the knobs `benchmarks/swap.py --variants` compares (docs/serving.md).
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-NICE, THREADS = 19, 1
+NICE, THREADS = 10, 1
 
 
 def _env_int(name: str, default: int) -> int:

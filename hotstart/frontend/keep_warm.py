@@ -17,6 +17,7 @@ from collections.abc import Callable
 from hotstart.boot.prefetch import Prefetcher
 from hotstart.boot.residency import resident_bytes
 from hotstart.boot.storage import plan_for
+from hotstart.errors import HotstartError
 from hotstart.frontend.memory import mem_total
 from hotstart.frontend.router import ModelRouter, State
 from hotstart.model.files import weight_files
@@ -38,7 +39,10 @@ class KeepWarm:
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self.interval)
-            await loop.run_in_executor(None, self.check)
+            try:
+                await loop.run_in_executor(None, self.check)
+            except Exception as e:  # noqa: BLE001 - a cache: the next check tries again
+                log.warning("hotstart: WARNING: keeping unloaded models page-cached: %s", e)
 
     def check(self) -> list[Prefetcher]:
         """Start reading back what left the page cache of the unloaded models' files, as far as memory
@@ -56,7 +60,7 @@ class KeepWarm:
             try:
                 files = weight_files(rec.path)
                 missing = sum(t - r for r, t in map(resident_bytes, files))
-            except (OSError, ValueError) as e:
+            except (OSError, ValueError, HotstartError) as e:  # a broken folder: its load says why
                 log.debug("hotstart: keep-warm %s: %s", rec.name, e)
                 continue
             if not missing:

@@ -34,7 +34,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.exposition import generate_latest
 from starlette.responses import Response, StreamingResponse
 
-from hotstart.errors import RequestError, bad_param
+from hotstart.errors import HotstartError, RequestError, bad_param
 from hotstart.frontend.memory import memory_guard
 from hotstart.frontend.metrics import CONTENT_TYPE, Metrics
 from hotstart.frontend.model_specs import parse_duration
@@ -178,7 +178,7 @@ class MultiServing:
 
                 rec.extra["snapshot"] = kv_files.snapshot_key(rec.path, weight_files(rec.path))
             count = kv_files.count_blocks(kv_files.kv_root(), rec.extra["snapshot"])
-        except (OSError, ValueError):  # weights not there (yet): an s3:// download, a broken folder
+        except (OSError, ValueError, HotstartError):  # no weights (yet): an s3:// download, a broken folder
             count = None
         self._disk[rec.name] = (time.monotonic(), count)
         return count
