@@ -10,6 +10,7 @@ from typing import Any
 from hotstart.flags import (
     at_least_one,
     bucket_list,
+    byte_size,
     fraction,
     memory_amount,
     name,
@@ -66,6 +67,11 @@ class EngineConfig:
                                   type=bucket_list)
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of prompt prefixes computed before "
                                                "(content-hashed full blocks, LRU eviction)", action="boolean")
+    prefix_cache_disk: str = option(
+        "auto", "bytes of full prefix-cache KV blocks kept on disk ($HOTSTART_HOME/kv/, shared by every "
+                "model, least recently used dropped first) so that an unloaded or restarted model finds the "
+                "prefixes it had: 4G, 512M, 0 = off; auto: $HOTSTART_PREFIX_CACHE_DISK, else 4G",
+        type=byte_size)
     tensor_parallel_size: int = option(
         1, "ranks the model is split over (tensor parallel, one process each, forked from the one "
            "forkserver: gloo on CPU, NCCL on CUDA with rank r on cuda:r); the attention and KV heads must be "
@@ -84,6 +90,7 @@ class EngineConfig:
         0.0, "an engine step running this long is taken for a hang (a Python-level deadlock, a wedged "
              "collective): killed and replaced like a silent engine (0: off)", type=seconds)
     cursor_path: str | None = None  # LoadCursor file shared with the API process's prefetcher (None: none)
+    background_load: bool = False  # other models serve: load and build the fast path at low CPU priority
     t0: float = 0.0  # launch time (time.time()) for the startup timeline
 
     def compile_bucket_sizes(self) -> tuple[int, ...]:

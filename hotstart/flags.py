@@ -88,6 +88,19 @@ def memory_amount(text: str) -> str:
 memory_amount.metavar = "SIZE"
 
 
+_BYTES = re.compile(r"auto|\d+(?:\.\d+)?(?:[kmgt]i?b?)?", re.IGNORECASE)
+
+
+def byte_size(text: str) -> str:
+    """A size in bytes (4G, 512M, 0) or auto (kept as text: configs travel as plain data)."""
+    if _BYTES.fullmatch(text.strip()) is None:
+        raise argparse.ArgumentTypeError(f"expected bytes (512M, 4G, 0) or auto, got {text!r}")
+    return text.strip()
+
+
+byte_size.metavar = "SIZE"
+
+
 def name(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("expected a non-empty name")

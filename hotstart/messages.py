@@ -86,6 +86,11 @@ class EngineStats(msgspec.Struct):
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    # the prefix cache on disk (engine/kv_store.py): blocks of this model's layout there, blocks read back
+    # into the cache and written since the engine started
+    prefix_disk_blocks: int = 0
+    prefix_disk_restored: int = 0
+    prefix_disk_written: int = 0
 
 
 class StepOutputs(msgspec.Struct, tag="out"):

@@ -18,9 +18,12 @@ REPO = TESTS.parent
 def pytest_configure(config):
     """Under pytest-xdist (make test runs the suite in one worker per core) each worker's torch, and every
     server it starts, computes on one thread: two workers x two OpenMP threads spinning on two cores made
-    every CPU-bound test several times slower (OpenMP's busy waits under oversubscription)."""
+    every CPU-bound test several times slower (OpenMP's busy waits under oversubscription). No engine of
+    the suite keeps prefix-cache blocks on disk (in the user's $HOTSTART_HOME/kv) unless its test asks
+    (tests/engine/test_kv_store.py, with a folder of its own)."""
     import os
 
+    os.environ.setdefault("HOTSTART_PREFIX_CACHE_DISK", "0")
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ.setdefault("OMP_NUM_THREADS", "1")
 

@@ -62,6 +62,7 @@ class BlockManager:
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst), for the runner
         self.cache_queries = 0  # tokens of admitted sequences looked up in the prefix cache
         self.cache_hits = 0  # of which found there
+        self.registered = 0  # blocks ever registered in the prefix cache (the disk store's "anything new")
 
     @property
     def num_free(self) -> int:
@@ -110,7 +111,25 @@ class BlockManager:
             if block and self.hash_of[block] is None and h not in self._cached:
                 self._cached[h] = block
                 self.hash_of[block] = h
+                self.registered += 1
         seq.num_cached_blocks = full
+
+    def restore(self, h: bytes) -> int | None:
+        """A block for content H read back from disk (engine/kv_store.py; the caller writes its K/V),
+        registered as a cached free block, the most recently freed; None when none is free."""
+        if self.num_free == 0:
+            return None
+        block = self._pop_free()
+        self.ref[block] = 0
+        self.hash_of[block], self._cached[h] = h, block
+        self._free[block] = None
+        return block
+
+    def touch(self, h: bytes) -> None:
+        """Cached content H, if its block is free, becomes the most recently freed (evicted last)."""
+        block = self._cached.get(h)
+        if block is not None and block in self._free:
+            self._free.move_to_end(block)
 
     # --- allocation -------------------------------------------------------------------------
     def _cow_needed(self, seq: Sequence) -> bool:

@@ -22,6 +22,7 @@ from hotstart.engine.block_manager import BlockManager, freeable_window
 from hotstart.engine.build import SpanHook, load
 from hotstart.engine.executor import Executor
 from hotstart.engine.grammar import WAIT_S, Grammars, grammar_finish
+from hotstart.engine.kv_store import PrefixStore
 from hotstart.engine.placement import Placement
 from hotstart.engine.sampler import Sampler, prompt_logprobs
 from hotstart.engine.scheduler import Scheduler
@@ -89,6 +90,7 @@ class EngineCore:
             from hotstart.spec_config import SpecConfig  # noqa: PLC0415 - only with the option
 
             self.spec = NgramSpeculator(SpecConfig.parse(cfg.speculative_config), max_model_len)
+        self.scheduler.gate = self.store = PrefixStore.open(self)  # the prefix cache on disk, or None
 
     @classmethod
     def build(cls, cfg: EngineConfig, on_span: SpanHook | None = None,
@@ -196,7 +198,7 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=self.blocks.cache_queries, prefix_cache_hits=self.blocks.cache_hits,
             prompt_tokens_computed=self.prompt_tokens_computed,
-            **({} if self.spec is None else self.spec.stats()),
+            **({} if self.spec is None else self.spec.stats()), **(self.store.stats() if self.store else {}),
         )
 
     # --- the step -------------------------------------------------------------------------

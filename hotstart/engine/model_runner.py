@@ -174,6 +174,24 @@ class ModelRunner:
         dst = (torch.tensor([d for _, d in pairs])[:, None] * bs + offsets).flatten().to(self.device)
         self.kv_cache[:, :, :, dst] = self.kv_cache[:, :, :, src]  # kv_cache: [layers, 2, KVH, slots, D]
 
+    @torch.inference_mode()
+    def read_blocks(self, blocks: list[int]) -> torch.Tensor:
+        """A host copy of BLOCKS' K/V: [n, layers, 2, KVH, block size, D] (the prefix cache on disk)."""
+        bs = self.block_size
+        slots = (torch.tensor(blocks)[:, None] * bs + torch.arange(bs)).flatten().to(self.device)
+        kv = self.kv_cache.index_select(3, slots)  # [layers, 2, KVH, n * bs, D]
+        kv = kv.view(*kv.shape[:3], len(blocks), bs, kv.shape[-1]).permute(3, 0, 1, 2, 4, 5)
+        return kv.contiguous().cpu()
+
+    @torch.inference_mode()
+    def write_blocks(self, blocks: list[int], data: torch.Tensor) -> None:
+        """Write DATA [n, layers, 2, KVH, block size, D] (read_blocks' layout) into BLOCKS."""
+        self._zero_up_to(max(blocks))
+        bs = self.block_size
+        slots = (torch.tensor(blocks)[:, None] * bs + torch.arange(bs)).flatten().to(self.device)
+        kv = data.to(self.device, self.kv_cache.dtype).permute(1, 2, 3, 0, 4, 5)
+        self.kv_cache.index_copy_(3, slots, kv.reshape(*kv.shape[:3], -1, kv.shape[-1]))
+
     def _zero_up_to(self, block: int) -> None:
         """Zero the blocks up to BLOCK never used before (uninitialised memory may hold NaN bit patterns;
         the block manager hands never-used blocks out in increasing order)."""

@@ -8,6 +8,8 @@ A decoding sequence with a draft (speculative decoding, engine/spec_decode.py) c
 and the draft, as far as the budget and the free blocks allow: a draft is cut, never a reason to preempt.
 A waiting sequence starts from its longest cached prefix (BlockManager.lookup) when prefix caching is
 on; a request of n choices takes n sequence slots from admission (its choices are forked later).
+A gate (engine/kv_store.py, the prefix cache on disk) may hold a new sequence until the blocks of its
+prefix are read back from disk.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from collections import deque
 
 from hotstart.engine.block_manager import BlockManager
 from hotstart.engine.sequence import Sequence
+
+ADMIT_WAIT_S = 0.005  # with nothing else to run, a step waits this long for a gate's read (GIL released)
 
 
 class Scheduler:
@@ -26,15 +30,19 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.gate = None  # PrefixStore (engine/kv_store.py): hold(seq, then), admit(wait), cancel(seq)
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if self.gate is None or not self.gate.hold(seq, self.waiting.append):
+            self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or (self.gate is not None and self.gate.pending))
 
     def remove(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence and free its blocks."""
+        if self.gate is not None:
+            self.gate.cancel(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -68,6 +76,8 @@ class Scheduler:
 
     def schedule(self) -> list[tuple[Sequence, int]]:
         """[(sequence, number of new tokens to compute this step)], running ones first."""
+        if self.gate is not None and self.gate.pending:
+            self.gate.admit(0.0 if self.waiting or self.running else ADMIT_WAIT_S)
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
         for seq in list(self.running):

@@ -7,13 +7,19 @@ With tensor parallelism (WORLD_SIZE > 1) every rank joins the group first and bu
 TensorParallelExecutor (engine/executor.py): rank 0 is that engine and its executor broadcasts each step
 to the other ranks, which run the executor's follow() loop and talk to nobody else. Every rank beats
 from its first moment (hotstart/heartbeat.py): the API process's supervisor kills a silent one.
+Where other models serve (cfg.background_load) the load runs on a helper thread at low CPU priority and
+the fast path's build with one torch thread (engine/cpu_share.py). SIGTERM, like a Shutdown message,
+ends the loop after the current step; the prefix cache on disk (engine/kv_store.py) then writes what
+it has not yet.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -25,6 +31,7 @@ from hotstart import heartbeat, logs
 from hotstart.config import EngineConfig
 from hotstart.engine import distributed
 from hotstart.engine.core import EngineCore
+from hotstart.engine.cpu_share import Background
 from hotstart.engine.fastpath import FastPath
 from hotstart.errors import HotstartError
 from hotstart.messages import (
@@ -118,11 +125,13 @@ def run_engine(cfg: EngineConfig, addresses: EngineAddresses, rank: int = 0, wor
     send = lambda msg: push.send(encoder.encode(msg))  # noqa: E731
 
     cursor = group = None
+    background = Background() if cfg.background_load and world_size == 1 else None
+    run = background.run if background is not None else lambda fn, *a, **k: fn(*a, **k)
     try:
         cursor = _open_cursor(cfg, 0)
         if world_size > 1:
             group = _join(cfg, addresses, 0, world_size, send)
-        core = EngineCore.build(cfg, send, cursor.advance if cursor else None, group=group)
+        core = run(EngineCore.build, cfg, send, cursor.advance if cursor else None, group=group)
     except BaseException as e:  # noqa: BLE001 - any startup failure is reported, then the process exits
         send(EngineFailed(_fatal_message(e)))
         push.close(linger=2000)
@@ -135,11 +144,15 @@ def run_engine(cfg: EngineConfig, addresses: EngineAddresses, rank: int = 0, wor
     device = core.placement.device
     send(EngineReady(os.getpid(), str(device), str(core.placement.dtype).removeprefix("torch."),
                      core.max_model_len, cfg.block_size, core.blocks.num_blocks, cfg.max_num_seqs))
-    fast = FastPath(core, cfg.compile, cfg.compile_bucket_sizes(), send)
+    fast = FastPath(core, cfg.compile, cfg.compile_bucket_sizes(), send,
+                    **({"popen": lambda *a, **k: run(subprocess.Popen, *a, **k)} if background else {}))
+    few_threads = background.few_threads if background is not None else contextlib.nullcontext
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
-    running = first_step = True
-    while running:
+    stop: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.append(signum))
+    running, first_step = True, True
+    while running and not stop:
         timeout = (
             0
             if core.has_work() or fast.packing_left()
@@ -171,22 +184,30 @@ def run_engine(cfg: EngineConfig, addresses: EngineAddresses, rank: int = 0, wor
                     running = False
         if running and core.has_work():
             heart.step_began()
-            began = time.time()
+            t_step = time.time()
             try:
                 outputs = core.step()
             except RuntimeError as e:
                 core.executor.step_failed(e)
             heart.step_ended()
             send(StepOutputs(outputs, core.stats()))
-            if first_step:  # its one-time costs (first touches, kernel set-up) show on the timeline
+            if first_step:  # a swap's timeline: READY -> the first request's first step
+                send(Span("first step", t_step, time.time(), "engine", f"{core.stats().num_running} running"))
                 first_step = False
-                send(Span("first step", began, time.time(), "engine", f"{core.stats().num_running} running"))
         else:
             core.executor.heartbeat()
         if running:
-            fast.tick(idle=not core.has_work())  # between two steps: swaps in what is ready
+            idle = not core.has_work()
+            with few_threads() if fast.busy() else contextlib.nullcontext():
+                fast.tick(idle=idle)  # between two steps: a piece of the build, what is ready swapped in
+            if core.store is not None:
+                core.store.tick(idle)
     core.executor.shutdown()
     fast.close()
+    if core.store is not None:
+        core.store.close()
+    if background is not None:
+        background.close()
     push.close(linger=1000)
     pull.close(linger=0)
     ctx.term()

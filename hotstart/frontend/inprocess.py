@@ -85,6 +85,8 @@ class InProcessEngineClient:
         self._streams.clear()
         if self._thread is None or not self._thread.is_alive():  # else the core is still the thread's
             self.core.abort(list(self.core.requests))
+            if self.core.store is not None:  # the prefix cache on disk: what it has not written yet
+                self.core.store.sync()
 
     # --- the stepping thread ----------------------------------------------------------------
     def _run(self) -> None:

@@ -68,7 +68,13 @@ class Metrics:
         self.prompt_computed = Counter("hotstart_prompt_tokens_computed",
                                        "Prompt tokens the engine computed (prefill work: prefix-cache hits "
                                        "and the n choices of a request share it)", registry=r)
-        self._engine_totals = (0, 0, 0)
+        self.disk_blocks = Gauge("hotstart_prefix_cache_disk_blocks", "Prefix-cache KV blocks of this model "
+                                 "on disk (engine/kv_store.py)", registry=r)
+        self.disk_restored = Counter("hotstart_prefix_cache_disk_restored_blocks",
+                                     "Prefix-cache KV blocks read back from disk", registry=r)
+        self.disk_written = Counter("hotstart_prefix_cache_disk_written_blocks",
+                                    "Prefix-cache KV blocks written to disk", registry=r)
+        self._engine_totals = (0, 0, 0, 0, 0)
         self.ready = Gauge("hotstart_engine_ready", "1 once the engine serves requests", registry=r)
         self.bucket_state = Gauge("hotstart_compiled_bucket_state", "1 for the state of each compiled bucket",
                                   ["bucket", "state"], registry=r)
@@ -111,9 +117,12 @@ class Metrics:
         self.kv_usage.set(stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)
         self.preemptions.set(stats.num_preemptions)
         # engine totals since it started: counted forward by their growth (a replaced engine starts at 0)
-        totals = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.prompt_tokens_computed)
-        for counter, new, old in zip((self.prefix_queries, self.prefix_hits, self.prompt_computed), totals,
-                                     self._engine_totals, strict=True):
+        self.disk_blocks.set(stats.prefix_disk_blocks)
+        totals = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.prompt_tokens_computed,
+                  stats.prefix_disk_restored, stats.prefix_disk_written)
+        counters = (self.prefix_queries, self.prefix_hits, self.prompt_computed, self.disk_restored,
+                    self.disk_written)
+        for counter, new, old in zip(counters, totals, self._engine_totals, strict=True):
             counter.inc(new - old if new >= old else new)
         self._engine_totals = totals
 

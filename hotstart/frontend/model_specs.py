@@ -113,6 +113,49 @@ class ModelsConfig:
                                            "Retry-After", type=at_least_one)
     models_memory: int | None = option(None, "bytes the loaded models may use together (weights + KV cache; "
                                              "default: MemAvailable at start)", type=at_least_one)
+    pin: tuple[str, ...] | None = option(
+        None, "keep this model loaded: loaded at start, never evicted, never unloaded by keep-alive (only "
+              "POST /v1/models/NAME/unload); repeatable or comma-separated", action="append")
+    alias: tuple[str, ...] | None = option(
+        None, "NAME=TARGET: requests naming NAME are answered by model TARGET (repeatable)", action="append")
+    priority: tuple[str, ...] | None = option(
+        None, "NAME=N: eviction order, the lowest N unloaded first (default 0), then the least recently "
+              "used (repeatable)", action="append")
 
     def preload_names(self) -> list[str]:
-        return [n.strip() for item in self.preload or () for n in item.split(",") if n.strip()]
+        return _names(self.preload)
+
+    def pin_names(self) -> list[str]:
+        return _names(self.pin)
+
+    def alias_map(self, served: list[str]) -> dict[str, str]:
+        """{alias: target} of --alias, checked against SERVED (the models' names)."""
+        out: dict[str, str] = {}
+        for item in self.alias or ():
+            alias, _, target = (p.strip() for p in item.partition("="))
+            if not alias or not target or not _NAME.match(alias):
+                raise HotstartError(f"--alias {item}: expected NAME=TARGET (NAME: letters, digits, '._-:/')")
+            if target not in served:
+                raise HotstartError(f"--alias {item}: no model named {target} (served: {', '.join(served)})")
+            if alias in served or alias in out:
+                raise HotstartError(f"--alias {item}: {alias} names a model or another alias already")
+            out[alias] = target
+        return out
+
+    def priorities(self, served: list[str]) -> dict[str, int]:
+        """{model: N} of --priority, checked against SERVED."""
+        out: dict[str, int] = {}
+        for item in self.priority or ():
+            model, _, value = (p.strip() for p in item.partition("="))
+            if model not in served:
+                raise HotstartError(f"--priority {item}: no model named {model} (served: "
+                                    f"{', '.join(served)})")
+            try:
+                out[model] = int(value)
+            except ValueError:
+                raise HotstartError(f"--priority {item}: expected NAME=N, N an integer") from None
+        return out
+
+
+def _names(items) -> list[str]:
+    return [n.strip() for item in items or () for n in item.split(",") if n.strip()]

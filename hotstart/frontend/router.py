@@ -8,11 +8,15 @@ up). A failed model is loaded again by the first request after a backoff that do
 requests before that get the failure at once. An engine that dies while loaded is replaced by its
 supervisor (frontend/supervisor.py) as with one model; its requests wait for the replacement.
 
-Room: at most --max-loaded-models engines (those being stopped count) and at most the memory budget
-(each model's weight bytes + KV-cache estimate); the least recently used idle model is unloaded first;
-one with requests in flight never is. Loads are admitted one at a time (no two loads wait for each
-other's room), then run concurrently. Requests for a model that is not serving wait, at most
---max-waiting-requests of them in all; one more gets 503 with Retry-After.
+Room: at most --max-loaded-models engines (those being stopped count), at most the memory budget
+(each model's weight bytes + KV-cache estimate), and, where the memory free now (free_memory(): the
+effective limit, cgroup-aware) is short of the new model's cost, idle models are unloaded until it is
+not (or none is left to unload). Evicted first: the lowest --priority, then the least recently used;
+never a model with requests in flight, never a pinned one (--pin: loaded at start, kept through
+keep-alive, unloaded only by POST .../unload). Loads are admitted one at a time (no two loads wait for
+each other's room), then run concurrently. Requests for a model that is not serving wait, at most
+--max-waiting-requests of them in all; one more gets 503 with Retry-After. Aliases (--alias
+NAME=TARGET) are other names of a record.
 
 On CUDA an unload stops the engine process, which frees its device memory; a "sleep" level that keeps
 the weights in pinned host memory (the next load an H2D copy, as vLLM's /sleep level 1) would slot in
@@ -81,6 +85,9 @@ class ModelRecord:
     loads: int = 0
     evictions: int = 0
     load_seconds: float | None = None
+    pinned: bool = False  # never evicted, never unloaded by keep-alive
+    priority: int = 0  # evicted first: the lowest
+    aliases: list[str] = field(default_factory=list)
     task: asyncio.Task | None = None
     extra: dict = field(default_factory=dict)
 
@@ -111,11 +118,17 @@ class ModelRouter:
 
     def __init__(self, records: list[ModelRecord], start_engine: Callable, make_serving: Callable, *,
                  max_loaded: int, budget: int, keep_alive: float | None, max_waiting: int,
-                 preload: list[str] = ()) -> None:
+                 preload: list[str] = (), aliases: dict[str, str] | None = None,
+                 free_memory: Callable[[], int | None] | None = None) -> None:
         self.records = {r.name: r for r in records}
         self.start_engine, self.make_serving = start_engine, make_serving
         self.max_loaded, self.budget, self.keep_alive = max_loaded, budget, keep_alive
-        self.max_waiting, self.preload = max_waiting, list(preload)
+        self.max_waiting = max_waiting
+        self.preload = list(dict.fromkeys([*preload, *(r.name for r in records if r.pinned)]))
+        self.aliases = dict(aliases or {})  # alias -> record name
+        for alias, target in self.aliases.items():
+            self.records[target].aliases.append(alias)
+        self.free_memory = free_memory or (lambda: None)  # bytes free now (None: unknown)
         self.waiting = 0
         self._closing: dict[int, int] = {}  # id -> cost of engines being stopped
         self._changed = asyncio.Event()
@@ -126,7 +139,7 @@ class ModelRouter:
     # --- lookups -------------------------------------------------------------------------------
     def lookup(self, name: str) -> ModelRecord:
         """The record named NAME (a dict lookup: a path in `model` is never a file lookup), or 404."""
-        rec = self.records.get(name) if isinstance(name, str) else None
+        rec = self.records.get(self.aliases.get(name, name)) if isinstance(name, str) else None
         if rec is None:
             raise RequestError(404, f"The model `{name}` does not exist. Served: {', '.join(self.records)}",
                                param="model", code="model_not_found")
@@ -206,6 +219,8 @@ class ModelRouter:
         rec.in_flight -= 1
         rec.last_used = time.time()
         ka = self.keep_alive if keep_alive is UNSET else keep_alive
+        if rec.pinned:
+            ka = None
         if rec.in_flight == 0 and rec.extra.pop("unload_when_idle", False):  # POST .../unload meanwhile
             ka = 0
         if rec.in_flight == 0 and rec.state is State.LOADED:
@@ -221,6 +236,7 @@ class ModelRouter:
             async with self._admit:
                 await self._make_room(rec)
                 transition(rec, State.LOADING)
+            rec.extra["room_s"] = time.time() - t0  # a swap's first part: evictions (benchmarks/swap.py)
             self.notify()
             client = await self.start_engine(rec)
             if rec.state is not State.LOADING:  # its engine failed while it started (engine_fatal)
@@ -235,7 +251,8 @@ class ModelRouter:
                 rec.serving = self.make_serving(rec)
                 rec.load_seconds = time.time() - t0
                 transition(rec, State.LOADED)
-                rec.keep_alive_until = None if self.keep_alive is None else time.time() + self.keep_alive
+                ka = None if rec.pinned else self.keep_alive
+                rec.keep_alive_until = None if ka is None else time.time() + ka
                 if self.on_preloaded is not None and rec.name in self.preload and self.preloaded():
                     self.on_preloaded()
         except Exception as e:  # noqa: BLE001 - any failure is this model's, never the server's
@@ -256,22 +273,26 @@ class ModelRouter:
                                                                                        State.LOADED)]
             n = len(active) + len(self._closing)
             used = sum(r.cost for r in active) + sum(self._closing.values())
-            if n < self.max_loaded and used + rec.cost <= self.budget:
+            idle = [r for r in active if r.state is State.LOADED and r.in_flight == 0 and not r.pinned]
+            fits = n < self.max_loaded and used + rec.cost <= self.budget
+            free = self.free_memory()
+            short = free is not None and free < rec.cost  # what is free now does not hold it
+            if fits and (not short or not (idle or self._closing)):  # short, nothing to unload: go on
                 return
-            idle = [r for r in active if r.state is State.LOADED and r.in_flight == 0]
             if idle:
-                victim = min(idle, key=lambda r: r.last_used)
+                victim = min(idle, key=lambda r: (r.priority, r.last_used))
                 victim.evictions += 1
-                await self.unload(victim, f"evicted to make room for {rec.name}")
+                why = "room" if not fits else f"memory ({(free or 0) / 2**30:.1f} GiB free)"
+                await self.unload(victim, f"evicted to make {why} for {rec.name}")
             else:
                 if not logged:
                     log.info("hotstart: model %s waits for room: %d of %d engines, %.1f of %.1f GiB, every "
-                             "loaded model busy", rec.name, n, self.max_loaded, used / 2**30,
+                             "loaded model busy or pinned", rec.name, n, self.max_loaded, used / 2**30,
                              self.budget / 2**30)
                     logged = True
                 if not await self._wait_change(deadline):
                     raise TimeoutError(f"no room for it within {LOAD_TIMEOUT_S:.0f} s "
-                                       "(every loaded model busy)")
+                                       "(every loaded model busy or pinned)")
 
     async def unload(self, rec: ModelRecord, why: str) -> bool:
         """Stop REC's engine if it is loaded and idle (True when it was)."""
@@ -313,8 +334,8 @@ class ModelRouter:
             await asyncio.sleep(REAP_S)
             now = time.time()
             for rec in list(self.records.values()):
-                if (rec.state is State.LOADED and not rec.in_flight and rec.keep_alive_until is not None
-                        and rec.keep_alive_until <= now):
+                if (rec.state is State.LOADED and not rec.in_flight and not rec.pinned
+                        and rec.keep_alive_until is not None and rec.keep_alive_until <= now):
                     await self.unload(rec, "keep-alive expired")
 
     async def close_all(self) -> None:

@@ -154,21 +154,25 @@ class EngineStart:
             return prefetcher
 
     # ---- clean-up -----------------------------------------------------------------------------
-    def close(self) -> None:
-        """Stop the prefetch and the download (what is written is kept for the next start), the launcher
-        if this start made it, and remove the cursor. Idempotent."""
+    def end_prefetch(self) -> None:
+        """Stop the weights' prefetch and remove the cursor (the load is over). Idempotent."""
         if self.prefetcher is not None:
             self.prefetcher.stop()
             self.prefetcher = None
+        if self.cursor is not None:
+            self.cursor.close()  # the owner's close removes its folder
+            self.cursor = None
+
+    def close(self) -> None:
+        """Stop the prefetch and the download (what is written is kept for the next start), the launcher
+        if this start made it, and remove the cursor. Idempotent."""
+        self.end_prefetch()
         if self.remote is not None:
             self.remote.stop()
             self.remote = None
         if self.owns_launcher and self.launcher is not None:
             self.launcher.shutdown()
             self.launcher = None
-        if self.cursor is not None:
-            self.cursor.close()  # the owner's close removes its folder
-            self.cursor = None
 
 
 def load_tokenizer(path: Path | str) -> Any:

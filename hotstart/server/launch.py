@@ -31,7 +31,7 @@ def run_serve(args: argparse.Namespace, cfg: ServeConfig, t0: float, launcher: E
               imports=None) -> int:
     """ARGS: the parsed command line (models, --revision, engine flags); CFG: the serve flags; IMPORTS:
     the import prefetch started at t=0 (boot/iosched.py ImportPrefetch), or None."""
-    from hotstart.frontend.model_specs import gather  # noqa: PLC0415 - stdlib, imported by the CLI already
+    from hotstart.frontend.model_specs import ModelsConfig, gather  # noqa: PLC0415 - stdlib, imported already
     from hotstart.server.access import check_bind  # noqa: PLC0415 - stdlib only
 
     check_bind(cfg.host, bool(cfg.api_key), cfg.allow_no_api_key)  # before anything loads; again once bound
@@ -66,6 +66,7 @@ def run_serve(args: argparse.Namespace, cfg: ServeConfig, t0: float, launcher: E
             from hotstart.server.routes import build_app  # noqa: PLC0415
         tokenizer = start.load_tokenizer()
         names = list(cfg.served_model_name or [spec.name if spec and spec.name else model.name])
+        names += ModelsConfig(alias=getattr(args, "alias", None)).alias_map(names)  # --alias NAME=TARGET
         settings = ApiSettings(
             served_model_names=names,
             api_key=cfg.api_key,

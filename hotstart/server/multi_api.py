@@ -7,7 +7,9 @@ the model the request names once it is acquired (loaded on demand); its lease en
 (a stream's last byte, or the client leaving). One Responses store serves every model, so
 `previous_response_id` finds a response whichever model answered it, across unloads (as OpenAI lets a
 follow-up change `model`). Endpoints beside OpenAI's (documented in README "Many models"):
-  GET  /v1/models                  every model, with `state`, `loaded_at`, `keep_alive_until`, `error`
+  GET  /v1/models                  every model, with `state`, `loaded_at`, `keep_alive_until`, `error`,
+                                   `pinned`, `priority`, `aliases`, `last_used`, `memory_bytes`,
+                                   `resident_bytes`, `prefix_blocks_on_disk`; each alias also listed
   POST /v1/models/{name}/load      load it now (waits until it serves; body {"keep_alive": ...} optional)
   POST /v1/models/{name}/unload    stop its engine: at once when idle (200), else once its requests end
                                    (202); a loading model answers 409. With --admin-key both need that key
@@ -23,6 +25,7 @@ flight, of every model, run to their end, then every engine is stopped.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -32,7 +35,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.exposition import generate_latest
 from starlette.responses import Response, StreamingResponse
 
-from hotstart.errors import RequestError, bad_param
+from hotstart.errors import HotstartError, RequestError, bad_param
 from hotstart.frontend.memory import memory_guard
 from hotstart.frontend.metrics import CONTENT_TYPE, Metrics
 from hotstart.frontend.model_specs import parse_duration
@@ -44,6 +47,18 @@ from hotstart.server.responses import ResponseStore
 from hotstart.server.responses_serving import store_routes
 from hotstart.server.routes import MODEL_ENDPOINTS, ModelEndpoint, answer
 from hotstart.server.schemas import decode_request, read_body
+
+DISK_COUNT_S = 2.0  # /v1/models and /metrics count a model's blocks on disk at most this often
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def resident_bytes(pid: int) -> int | None:
+    """The resident set of process PID (/proc/PID/statm), None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * PAGE
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class _KeepAlive(msgspec.Struct):
@@ -130,14 +145,47 @@ class MultiServing:
         self.g_evictions = Gauge("hotstart_model_evictions", "Unloads to make room", ["model"], registry=r)
         self.g_load_s = Gauge("hotstart_model_load_seconds", "Last load: request to serving", ["model"],
                               registry=r)
+        self.g_memory = Gauge("hotstart_model_memory_bytes", "Memory the budget counts for it: weights + KV "
+                              "cache", ["model"], registry=r)
+        self.g_resident = Gauge("hotstart_model_resident_bytes", "Resident memory of its engine process "
+                                "(0: not loaded)", ["model"], registry=r)
+        self.g_pinned = Gauge("hotstart_model_pinned", "1 for a --pin model", ["model"], registry=r)
+        self.g_last_used = Gauge("hotstart_model_last_used_seconds", "When a request of it last began or "
+                                 "ended (unix time; 0: never)", ["model"], registry=r)
+        self.g_disk_blocks = Gauge("hotstart_model_prefix_blocks_on_disk", "Prefix-cache KV blocks of it on "
+                                   "disk (every layout)", ["model"], registry=r)
+        self._disk: dict[str, tuple[float, int | None]] = {}  # model -> (when counted, blocks)
 
-    def card(self, rec: ModelRecord) -> dict[str, Any]:
+    def card(self, rec: ModelRecord, name: str | None = None) -> dict[str, Any]:
+        """REC's /v1/models entry (NAME: one of its aliases, listed as a model of its own)."""
         info = rec.client.info if rec.client is not None else None
         until = rec.keep_alive_until if rec.state is State.LOADED else None
-        return {"id": rec.name, "object": "model", "created": self.created, "owned_by": "hotstart",
+        return {"id": name or rec.name, "object": "model", "created": self.created, "owned_by": "hotstart",
                 "root": rec.name, "parent": None, "max_model_len": info.max_model_len if info else None,
                 "state": rec.state.value, "loaded_at": int(rec.loaded_at) if rec.loaded_at else None,
-                "keep_alive_until": int(until) if until else None, "error": rec.error}
+                "keep_alive_until": int(until) if until else None, "error": rec.error,
+                "pinned": rec.pinned, "priority": rec.priority, "aliases": list(rec.aliases),
+                "last_used": int(rec.last_used) if rec.last_used else None, "memory_bytes": rec.cost,
+                "resident_bytes": resident_bytes(info.pid) if info and rec.state is State.LOADED else None,
+                "prefix_blocks_on_disk": self.disk_blocks(rec)}
+
+    def disk_blocks(self, rec: ModelRecord) -> int | None:
+        """REC's prefix-cache blocks on disk (model/kv_files.py), counted at most every DISK_COUNT_S."""
+        from hotstart.model import kv_files  # noqa: PLC0415 - stdlib only
+
+        when, count = self._disk.get(rec.name, (0.0, None))
+        if time.monotonic() - when < DISK_COUNT_S:
+            return count
+        try:
+            if "snapshot" not in rec.extra:
+                from hotstart.model.files import weight_files  # noqa: PLC0415
+
+                rec.extra["snapshot"] = kv_files.snapshot_key(rec.path, weight_files(rec.path))
+            count = kv_files.count_blocks(kv_files.kv_root(), rec.extra["snapshot"])
+        except (OSError, ValueError, HotstartError):  # no weights (yet): an s3:// download, a broken folder
+            count = None
+        self._disk[rec.name] = (time.monotonic(), count)
+        return count
 
     def route(self, ep: ModelEndpoint):
         """EP's route: decode the body (a malformed request loads nothing), acquire the model it names,
@@ -166,10 +214,12 @@ class MultiServing:
         return route
 
     async def list_models(self) -> Response:
-        return json_response({"object": "list", "data": [self.card(r) for r in self.router.records.values()]})
+        cards = [self.card(r) for r in self.router.records.values()]
+        cards += [self.card(self.router.records[t], a) for a, t in self.router.aliases.items()]
+        return json_response({"object": "list", "data": cards})
 
     async def get_model(self, name: str) -> Response:
-        return json_response(self.card(self.router.lookup(name)))
+        return json_response(self.card(self.router.lookup(name), name))
 
     async def load_model(self, name: str, request: Request) -> Response:
         self.router.lookup(name)
@@ -201,7 +251,8 @@ class MultiServing:
     async def startup(self) -> Response:
         models = {}
         for rec in self.router.records.values():
-            entry: dict[str, Any] = {"state": rec.state.value, "load_seconds": rec.load_seconds}
+            entry: dict[str, Any] = {"state": rec.state.value, "load_seconds": rec.load_seconds,
+                                     "room_seconds": rec.extra.get("room_s")}
             if rec.serving is not None:
                 entry.update(rec.serving.startup_body(None))
             elif "timeline" in rec.extra:
@@ -222,6 +273,12 @@ class MultiServing:
             self.g_evictions.labels(rec.name).set(rec.evictions)
             if rec.load_seconds is not None:
                 self.g_load_s.labels(rec.name).set(rec.load_seconds)
+            card = self.card(rec)
+            self.g_memory.labels(rec.name).set(rec.cost)
+            self.g_resident.labels(rec.name).set(card["resident_bytes"] or 0)
+            self.g_pinned.labels(rec.name).set(1 if rec.pinned else 0)
+            self.g_last_used.labels(rec.name).set(rec.last_used)
+            self.g_disk_blocks.labels(rec.name).set(card["prefix_blocks_on_disk"] or 0)
             m = rec.extra.get("metrics")
             if m is not None:
                 m.draining.set(draining)

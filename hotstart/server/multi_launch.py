@@ -23,12 +23,20 @@ from hotstart.config import EngineConfig, ServeConfig
 from hotstart.errors import HotstartError
 from hotstart.forkserver.client import EngineLauncher
 from hotstart.frontend.model_specs import ModelsConfig, ModelSpec, parse_duration
-from hotstart.frontend.router import ModelRecord, ModelRouter
+from hotstart.frontend.router import ModelRecord, ModelRouter, State
 
 log = logging.getLogger("hotstart")
 
 
 KV_FRACTION = 0.5  # engine/placement.py's CPU_KV_MEMORY_FRACTION: the KV cache's share beside the weights
+
+
+def free_memory() -> int | None:
+    """Bytes free for models now (the router evicts idle models while a load's cost exceeds it). The
+    seam for the effective, cgroup-aware limit (issue 40 part B): MemAvailable until that lands."""
+    from hotstart.system import mem_available  # noqa: PLC0415
+
+    return mem_available()
 
 
 def estimate_cost(path: Path, args: argparse.Namespace, budget: int, slots: int) -> tuple[int, int]:
@@ -83,11 +91,17 @@ def run_serve_many(args: argparse.Namespace, cfg: ServeConfig, specs: list[Model
             resolved = resolve_all(specs, args.revision)
             span.detail = f"{len(resolved)} models"
         remotes = [m.remote for _, m in resolved if m.remote is not None]
-        preload = mcfg.preload_names()
-        unknown = [n for n in preload if n not in {name for name, _ in resolved}]
-        if unknown:
-            raise HotstartError(f"--preload {', '.join(unknown)}: no such model (served: "
-                                f"{', '.join(n for n, _ in resolved)})")
+        served = [name for name, _ in resolved]
+        preload, pins = mcfg.preload_names(), mcfg.pin_names()
+        for flag, names in (("--preload", preload), ("--pin", pins)):
+            unknown = [n for n in names if n not in served]
+            if unknown:
+                raise HotstartError(f"{flag} {', '.join(unknown)}: no such model (served: "
+                                    f"{', '.join(served)})")
+        if len(set(pins)) > mcfg.max_loaded_models:
+            raise HotstartError(f"--pin names {len(set(pins))} models, more than --max-loaded-models "
+                                f"{mcfg.max_loaded_models}")
+        aliases, priorities = mcfg.alias_map(served), mcfg.priorities(served)
         if cfg.served_model_name:
             raise HotstartError("--served-model-name applies to one model; name several with NAME=PATH")
         with timeline.phase("web stack imported"):
@@ -99,22 +113,29 @@ def run_serve_many(args: argparse.Namespace, cfg: ServeConfig, specs: list[Model
         records = []
         for name, m in resolved:
             weights, kv = estimate_cost(Path(m.path), args, budget, mcfg.max_loaded_models)
-            records.append(ModelRecord(name, str(m.path), cost=weights + kv,
+            records.append(ModelRecord(name, str(m.path), cost=weights + kv, pinned=name in pins,
+                                       priority=priorities.get(name, 0),
                                        extra={"kv_bytes": kv, "resolved": m}))
+        pinned_cost = sum(r.cost for r in records if r.pinned)
+        if pinned_cost > budget:
+            raise HotstartError(f"the --pin models need {pinned_cost / 2**30:.1f} GiB together, more than "
+                                f"the {budget / 2**30:.1f} GiB the models may use (--models-memory)")
         shared = SharedLauncher(launcher) if launcher.use_forkserver else None
         router = ModelRouter(records, None, None, max_loaded=mcfg.max_loaded_models, budget=budget,
                              keep_alive=parse_duration(mcfg.keep_alive),
-                             max_waiting=mcfg.max_waiting_requests, preload=preload)
+                             max_waiting=mcfg.max_waiting_requests, preload=preload, aliases=aliases,
+                             free_memory=free_memory)
 
         def engine_config(rec: ModelRecord, **derived) -> EngineConfig:
             cfg = EngineConfig.from_args(args, **derived)
             kv = rec.extra.get("kv_bytes")  # the engine allocates what the budget counted for it
             if kv and cfg.kv_cache_memory is None:
                 cfg = dataclasses.replace(cfg, kv_cache_memory=kv)
-            return cfg
+            others = any(r is not rec and r.state in (State.LOADED, State.LOADING) for r in records)
+            return dataclasses.replace(cfg, background_load=others)  # others serve: load at low priority
 
         router.start_engine = engine_starter(router, shared, launcher.use_forkserver, engine_config,
-                                             cfg.restart)
+                                             cfg.restart, cfg)
         app = build_multi_app(router, cfg, timeline)
         router.make_serving = serving_maker(cfg, app.state.drain, app.state.store)
         from hotstart.server.access import announce_metrics  # noqa: PLC0415
@@ -134,10 +155,12 @@ def run_serve_many(args: argparse.Namespace, cfg: ServeConfig, specs: list[Model
         launcher.shutdown()
 
 
-def engine_starter(router: ModelRouter, shared, use_forkserver: bool, engine_config, auto_restart: bool):
+def engine_starter(router: ModelRouter, shared, use_forkserver: bool, engine_config, auto_restart: bool,
+                   prefetch: ServeConfig | None = None):
     """start_engine(rec) for the router: an engine forked from the shared forkserver (or spawned) through
     the one start sequence (frontend/start.py), its client started, then the tokenizer (once per model);
-    a load error raises (the record fails)."""
+    a load error raises (the record fails). PREFETCH: the serve flags of the weights' page-cache
+    prefetch (what is cached already is skipped: a warm swap reads nothing)."""
     import encodings.unicode_escape  # noqa: F401, PLC0415 - what Tokenizer.from_dir imports: it runs off the loop
 
     from hotstart.frontend.shared_launcher import launcher_for  # noqa: PLC0415
@@ -147,19 +170,34 @@ def engine_starter(router: ModelRouter, shared, use_forkserver: bool, engine_con
     async def start(rec: ModelRecord):
         timeline = rec.extra["timeline"] = Timeline(time.time())
         begun = EngineStart(timeline, launcher_for(shared, use_forkserver),
-                            lambda **derived: engine_config(rec, **derived), auto_restart=auto_restart)
-        begun.begin(resolved=rec.extra["resolved"])
+                            lambda **derived: engine_config(rec, **derived), auto_restart=auto_restart,
+                            prefetch=prefetch)
+        try:
+            begun.begin(resolved=rec.extra["resolved"])
+        except BaseException:
+            begun.end_prefetch()
+            raise
         client = begun.client
-        client.on_fatal = lambda message: router.engine_fatal(rec, message)
-        client.on_ready = router.notify
+
+        def ready() -> None:
+            begun.end_prefetch()  # the engine has read its weights
+            router.notify()
+
+        def fatal(message: str) -> None:
+            begun.end_prefetch()
+            router.engine_fatal(rec, message)
+
+        client.on_fatal, client.on_ready = fatal, ready
         begun.spawn_serial()  # without a forkserver: a fresh interpreter (begin sent it to the forkserver)
-        await client.start()
-        if rec.tokenizer is None:  # on a worker thread: a large tokenizer.json takes 100s of ms to parse,
-            try:  # and the other models' streams go on meanwhile
+        try:
+            await client.start()
+            if rec.tokenizer is None:  # on a worker thread: a large tokenizer.json takes 100s of ms to
+                # parse, and the other models' streams go on meanwhile
                 rec.tokenizer = await asyncio.get_running_loop().run_in_executor(None, begun.load_tokenizer)
-            except BaseException:
-                await client.close()
-                raise
+        except BaseException:
+            begun.end_prefetch()
+            await client.close()
+            raise
         return client
 
     return start
@@ -174,13 +212,16 @@ def serving_maker(cfg: ServeConfig, drain, store):
 
     def make(rec: ModelRecord):
         settings = ApiSettings(
-            served_model_names=[rec.name], api_key=cfg.api_key, max_request_bytes=cfg.max_request_bytes,
+            served_model_names=[rec.name, *rec.aliases], api_key=cfg.api_key,
+            max_request_bytes=cfg.max_request_bytes,
             sampling_defaults=sampling_defaults(rec.path, cfg.generation_config),
             tool_call_parser=None if cfg.tool_call_parser == "auto" else cfg.tool_call_parser,
             auto_tool_choice=cfg.enable_auto_tool_choice,
         )
         if "metrics" not in rec.extra:
             rec.extra["metrics"] = Metrics(rec.name)  # vLLM's series labelled model_name=NAME
+        if "timeline" in rec.extra:
+            rec.extra["timeline"].mark("model serving")
         return OpenAIServing(rec.client, rec.tokenizer, settings, metrics=rec.extra["metrics"], drain=drain,
                              store=store)
 
@@ -196,10 +237,13 @@ class RouterLifecycle:
     def __init__(self, router: ModelRouter, timeline: Timeline) -> None:
         self.router, self.timeline = router, timeline
         self.on_ready = self.on_fatal = None
-        self._reaper: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
-        self._reaper = asyncio.ensure_future(self.router.reap())
+        from hotstart.frontend.keep_warm import KeepWarm  # noqa: PLC0415
+
+        self._tasks = [asyncio.ensure_future(self.router.reap()),
+                       asyncio.ensure_future(KeepWarm(self.router, free_memory).run())]
         self.router.on_preloaded = self.on_ready
         for name in self.router.preload:
             self.router.load_soon(self.router.records[name])
@@ -212,6 +256,6 @@ class RouterLifecycle:
                 rec.client.begin_shutdown()
 
     async def close(self, timeout: float = 3.0) -> None:  # noqa: ARG002 - each engine: CLOSE_TIMEOUT_S
-        if self._reaper is not None:
-            self._reaper.cancel()
+        for task in self._tasks:
+            task.cancel()
         await self.router.close_all()

@@ -86,13 +86,15 @@ def serving(*args: str, **kwargs):
 
 
 class Stream(threading.Thread):
-    """One streaming chat request (BODY) to URL in a thread; `lines` as they come, `started` set after 3,
-    `ended` the perf_counter of its last line, `error` what failed."""
+    """One streaming chat request (BODY) to URL in a thread; `lines` as they come (`times`: the
+    perf_counter of each), `started` set after 3, `ended` the perf_counter of its last line, `error` what
+    failed; `halt.set()` makes it hang up (the server aborts the request)."""
 
     def __init__(self, url: str, body: dict) -> None:
         super().__init__(daemon=True)
         self.url, self.body, self.lines, self.ended, self.error = url, body, [], 0.0, None
-        self.started = threading.Event()
+        self.times: list[float] = []
+        self.started, self.halt = threading.Event(), threading.Event()
 
     def run(self) -> None:
         import httpx
@@ -103,8 +105,11 @@ class Stream(threading.Thread):
                 for line in r.iter_lines():
                     if line:
                         self.lines.append(line)
+                        self.times.append(time.perf_counter())
                     if len(self.lines) >= 3:
                         self.started.set()
+                    if self.halt.is_set():
+                        break
         except Exception as e:  # noqa: BLE001 - reported by the test
             self.error = repr(e)
         self.ended = time.perf_counter()

@@ -320,6 +320,7 @@ def test_sigterm_drains_the_streams_of_every_model(mixed):
 
 def test_the_many_models_modules_do_not_import_torch():
     for module in ("hotstart.server.multi_launch", "hotstart.server.multi_api", "hotstart.frontend.router",
-                   "hotstart.frontend.shared_launcher", "hotstart.frontend.model_specs"):
+                   "hotstart.frontend.shared_launcher", "hotstart.frontend.model_specs",
+                   "hotstart.frontend.keep_warm", "hotstart.model.kv_files"):
         ok, heavy = no_torch_in(module)
         assert ok, f"{module} imported {heavy}"

@@ -23,7 +23,8 @@ class FakeClient:
         self.log.append(("close", self.name))
 
 
-def make_router(names, *, max_loaded=1, budget=1 << 40, keep_alive=None, max_waiting=8, fail=(), cost=0):
+def make_router(names, *, max_loaded=1, budget=1 << 40, keep_alive=None, max_waiting=8, fail=(), cost=0,
+                pinned=(), priority=None, aliases=None, free_memory=None):
     log: list = []
 
     async def start(rec):
@@ -32,9 +33,10 @@ def make_router(names, *, max_loaded=1, budget=1 << 40, keep_alive=None, max_wai
             raise RuntimeError(f"{rec.name} is broken")
         return FakeClient(log, rec.name)
 
-    records = [ModelRecord(n, f"/models/{n}", cost=cost) for n in names]
+    records = [ModelRecord(n, f"/models/{n}", cost=cost, pinned=n in pinned,
+                           priority=(priority or {}).get(n, 0)) for n in names]
     r = ModelRouter(records, start, lambda rec: object(), max_loaded=max_loaded, budget=budget,
-                    keep_alive=keep_alive, max_waiting=max_waiting)
+                    keep_alive=keep_alive, max_waiting=max_waiting, aliases=aliases, free_memory=free_memory)
     return r, log
 
 
@@ -129,6 +131,66 @@ def test_memory_budget_evicts():
         await r.close_all()
 
     asyncio.run(main())
+
+
+def test_eviction_by_the_memory_free_now():
+    async def main():
+        total = 250  # bytes the machine has for models; each loaded model takes its cost (100)
+        r, _ = make_router(["a", "b", "c"], max_loaded=5, cost=100, free_memory=lambda: total - 100 * sum(
+            rec.state is State.LOADED for rec in r.records.values()))
+        for n in ("a", "b"):
+            r.release(await r.acquire(n))
+        assert state(r) == {"a": "loaded", "b": "loaded", "c": "unloaded"}
+        r.release(await r.acquire("c"))  # 50 free: the least recently used goes first, and enough
+        assert state(r) == {"a": "unloaded", "b": "loaded", "c": "loaded"} and r.records["a"].evictions == 1
+        await r.close_all()
+
+    asyncio.run(main())
+
+
+def test_pins_priorities_and_aliases(monkeypatch):
+    monkeypatch.setattr(router_mod, "REAP_S", 0.02)
+
+    async def main():
+        r, _ = make_router(["p", "hi", "lo", "x"], max_loaded=3, keep_alive=0.05, pinned={"p"},
+                           priority={"hi": 5}, aliases={"fast": "hi"})
+        assert r.preload == ["p"] and r.lookup("fast") is r.records["hi"]
+        assert r.records["hi"].aliases == ["fast"]
+        reaper = asyncio.ensure_future(r.reap())
+        r.release(await r.acquire("p"), 0)  # a request's keep_alive 0 does not unload a pinned model
+        r.release(await r.acquire("lo"), None)
+        r.release(await r.acquire("fast"), None)  # hi, by its alias: the most recently used
+        await asyncio.sleep(0.1)
+        assert state(r) == {"p": "loaded", "hi": "loaded", "lo": "loaded", "x": "unloaded"}
+        r.release(await r.acquire("x"), None)  # evicts lo (priority 0) before hi (5); never p
+        assert state(r) == {"p": "loaded", "hi": "loaded", "lo": "unloaded", "x": "loaded"}
+        held = [await r.acquire("hi"), await r.acquire("x")]
+        waiter = asyncio.ensure_future(r.acquire("lo"))  # busy or pinned: it waits, p is never evicted
+        await asyncio.sleep(0.1)
+        assert not waiter.done() and r.records["p"].state is State.LOADED
+        r.release(held[1], None)
+        r.release(await asyncio.wait_for(waiter, 5), None)
+        assert state(r) == {"p": "loaded", "hi": "loaded", "lo": "loaded", "x": "unloaded"}
+        r.release(held[0])
+        reaper.cancel()
+        await r.close_all()
+
+    asyncio.run(main())
+
+
+def test_pin_alias_and_priority_flags_are_checked():
+    from hotstart.frontend.model_specs import ModelsConfig
+
+    m = ModelsConfig(pin=("a,b",), alias=("x=a", "y = b"), priority=("b=-2",))
+    assert m.pin_names() == ["a", "b"] and m.alias_map(["a", "b"]) == {"x": "a", "y": "b"}
+    assert m.priorities(["a", "b"]) == {"b": -2}
+    for bad in (ModelsConfig(alias=("x=c",)), ModelsConfig(alias=("a=b",)), ModelsConfig(alias=("x",)),
+                ModelsConfig(alias=("x=a", "x=b")), ModelsConfig(alias=("x y=a",))):
+        with pytest.raises(HotstartError):
+            bad.alias_map(["a", "b"])
+    for bad in (ModelsConfig(priority=("c=1",)), ModelsConfig(priority=("a=high",))):
+        with pytest.raises(HotstartError):
+            bad.priorities(["a", "b"])
 
 
 def test_failed_load_backs_off_and_others_serve(monkeypatch):

@@ -39,8 +39,10 @@ KERNELS_BUILD_TIMEOUT_S = 120.0  # g++ takes ~2 s for hotstart's CPU kernels
 
 
 class FastPath:
-    def __init__(self, core, mode: str, buckets: tuple[int, ...], send: Callable[[object], None]):
+    def __init__(self, core, mode: str, buckets: tuple[int, ...], send: Callable[[object], None],
+                 popen: Callable[..., subprocess.Popen] = subprocess.Popen):
         self.core, self.runner, self.mode, self.send = core, core.runner, mode, send
+        self.popen = popen  # starts g++ (engine/cpu_share.py: from a low-priority thread, which it inherits)
         self.model = self.runner.model
         state, why, self._pack_bytes = packing_plan(core, mode)
         # PLANNED with a why: grouped for the CPU kernels without oneDNN's copies (they would not fit)
@@ -152,7 +154,7 @@ class FastPath:
         remove_stale_temps(path.parent)
         tmp = cpu_kernels.staging_path(path)
         with open(path.parent / "build.log", "ab") as log_file:
-            proc = subprocess.Popen(cpu_kernels.build_command(tmp), stdin=subprocess.DEVNULL,
+            proc = self.popen(cpu_kernels.build_command(tmp), stdin=subprocess.DEVNULL,
                                     stdout=subprocess.DEVNULL, stderr=log_file)
         self._kernels_build = (proc, tmp, path, time.time())
 

@@ -1,0 +1,269 @@
+"""The prefix cache that survives: full KV blocks of cached prefixes written to disk (model/kv_files.py)
+while the engine idles, periodically while it is busy, and when it stops (an unload, a restart), and
+read back, lazily per prefix, before the request that needs them is scheduled.
+
+Writing: on the step thread, copy_out() gathers the K/V of cached blocks not on disk yet into one host
+tensor [n, layers, 2, KVH, block size, D]; the writer thread writes a file per block (plain file I/O, no
+imports) and keeps the root within its budget.
+Reading: a new sequence whose hash chain goes on, past the blocks in memory, into blocks on disk is held
+(the Scheduler's gate: hold()); the reader thread reads and verifies their files; admit(), on the step
+thread before scheduling, copies them into free KV blocks, registers those as cached free blocks
+(BlockManager.restore) and lets the sequence in, whose lookup then finds the whole chain. A block that
+fails its checks ends the chain there: the rest is computed, as it would be without the store.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from hotstart.engine.block_manager import BlockManager
+from hotstart.engine.sequence import Sequence
+from hotstart.model import kv_files
+
+log = logging.getLogger("hotstart.engine")
+DEFAULT_BUDGET = 4 << 30
+DISK_RESERVE = 0.1  # the store never fills its filesystem past 90 %
+FLUSH_IDLE_S = 0.5  # idle this long: write what is new
+FLUSH_BUSY_S = 30.0  # busy: write what is new this often, at most FLUSH_BUSY_BYTES of it
+FLUSH_IDLE_BYTES, FLUSH_BUSY_BYTES = 64 << 20, 8 << 20
+QUEUED_MAX_BYTES = 256 << 20  # host copies waiting for the writer: past this, no new copies
+CLOSE_S = 1.5  # at close: copying and writing what is left stops after this long
+
+
+def budget_bytes(text: str | int | None) -> int:
+    """--prefix-cache-disk: bytes (4G, 512M, 0); auto = $HOTSTART_PREFIX_CACHE_DISK, else 4 GiB."""
+    text = str(text if text is not None else "auto").strip().lower()
+    if text == "auto":
+        env = os.environ.get("HOTSTART_PREFIX_CACHE_DISK", "").strip().lower()
+        if not env or env == "auto":
+            return DEFAULT_BUDGET
+        text = env
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    body = text.removesuffix("b").removesuffix("i")
+    scale = units.get(body[-1:], 1)
+    try:
+        return max(0, int(float(body[:-1] if scale > 1 else body) * scale))
+    except ValueError:
+        return 0
+
+
+class _Thread(threading.Thread):
+    """Runs the callables put on its queue, one at a time (I/O only)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name=name, daemon=True)
+        self.jobs: queue.Queue = queue.Queue()
+
+    def run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            try:
+                job()
+            except Exception as e:  # noqa: BLE001 - a cache: a failed read or write is a miss
+                log.warning("hotstart: engine: prefix cache on disk: %s", e)
+
+
+class _Read:
+    def __init__(self, seq: Sequence, then: Callable[[Sequence], None], chain: list[bytes],
+                 wanted: list[bytes]) -> None:
+        self.seq, self.then, self.chain, self.wanted = seq, then, chain, wanted
+        self.payloads: list[memoryview] = []  # of wanted's first blocks, as far as they read back
+        self.done, self.cancelled = False, False
+
+
+class PrefixStore:
+    """One engine's blocks on disk (one layout folder). BLOCKS / RUNNER: the engine's block manager and
+    model runner."""
+
+    def __init__(self, blocks: BlockManager, runner, folder: Path, layout: bytes, budget: int) -> None:
+        self.blocks, self.runner, self.folder, self.layout = blocks, runner, folder, layout
+        self.budget = budget
+        cache = runner.kv_cache  # [layers, 2, KVH, slots, D]
+        self.block_shape = (*cache.shape[:3], blocks.block_size, cache.shape[4])
+        self.block_bytes = cache[:, :, :, :blocks.block_size].numel() * cache.element_size()
+        self.on_disk = kv_files.list_blocks(folder)
+        self.restored = self.written = 0
+        self._held: list[_Read] = []
+        self._ready = threading.Event()
+        self._queued = 0  # bytes copied out, not written yet
+        self._lock = threading.Lock()
+        self._last_flush = self._last_step = time.monotonic()
+        self._seen = -1  # blocks.registered at the last flush: nothing new, no scan
+        self.reader, self.writer = _Thread("kv-read"), _Thread("kv-write")
+        self.reader.start()
+        self.writer.start()
+
+    @classmethod
+    def open(cls, core) -> PrefixStore | None:
+        """The store of CORE's model and layout, or None (off: 0 bytes, no prefix caching, tensor
+        parallel, or no private folder for it)."""
+        cfg = core.cfg
+        budget = budget_bytes(getattr(cfg, "prefix_cache_disk", "auto"))
+        if not (budget and cfg.enable_prefix_caching and core.executor.world_size == 1):
+            return None
+        try:
+            snapshot = kv_files.snapshot_key(cfg.model_path, list(cfg.weight_files))
+            root = kv_files.kv_root()
+            cache = core.runner.kv_cache
+            shape = (*cache.shape[:3], cfg.block_size, cache.shape[4])
+            layout = kv_files.layout_key(snapshot, shape, str(cache.dtype).removeprefix("torch."),
+                                         cache.device.type, core.max_model_len)
+            folder = kv_files.layout_folder(root, snapshot, layout)
+            if not kv_files.usable_folder(folder):
+                log.warning("hotstart: engine: prefix cache on disk off: %s is not a private folder of "
+                            "this user", folder)
+                return None
+        except OSError as e:
+            log.warning("hotstart: engine: prefix cache on disk off: %s", e)
+            return None
+        return cls(core.blocks, core.runner, folder, layout, budget)
+
+    # ---- reading: the scheduler's gate ---------------------------------------------------------
+    @property
+    def pending(self) -> bool:
+        return bool(self._held)
+
+    def hold(self, seq: Sequence, then: Callable[[Sequence], None]) -> bool:
+        """Hold SEQ (True) while the blocks of its prefix that are on disk and not in memory are read;
+        THEN(seq) lets it in once they are in the cache."""
+        blocks = self.blocks
+        if not self.on_disk or not blocks.enable_prefix_caching or seq.skip_prefix_cache or seq.block_table:
+            return False
+        chain, wanted = [], []
+        for h in blocks._hashes(seq, (seq.num_tokens - 1) // blocks.block_size):  # noqa: SLF001
+            if h not in blocks._cached:  # noqa: SLF001
+                if h not in self.on_disk:
+                    break
+                wanted.append(h)
+            chain.append(h)
+        if not wanted:
+            return False
+        job = _Read(seq, then, chain, wanted)
+        self._held.append(job)
+        self.reader.jobs.put(lambda: self._read(job))
+        return True
+
+    def _read(self, job: _Read) -> None:
+        try:
+            for h in job.wanted:
+                if job.cancelled:
+                    break
+                payload = kv_files.read_block(self.folder, self.layout, h, self.block_bytes)
+                if payload is None:
+                    self.on_disk.discard(h)
+                    break
+                job.payloads.append(payload)
+        finally:
+            job.done = True
+            self._ready.set()
+
+    def cancel(self, seq: Sequence) -> None:
+        for job in self._held:
+            if job.seq is seq:
+                job.cancelled = True
+
+    def admit(self, wait: float) -> None:
+        """Copy the blocks read since the last call into the cache and let their sequences in; with
+        WAIT > 0 and nothing read yet, wait that long for a read first."""
+        if not any(job.done for job in self._held) and wait > 0:
+            self._ready.wait(wait)
+        self._ready.clear()
+        done = [job for job in self._held if job.done]
+        if not done:
+            return
+        self._held = [job for job in self._held if not job.done]
+        for job in done:
+            self._restore(job)
+            if not job.cancelled:
+                job.then(job.seq)
+
+    def _restore(self, job: _Read) -> None:
+        blocks, got = self.blocks, dict(zip(job.wanted, job.payloads))
+        ids, data = [], []
+        for h in job.chain:  # in chain order, each most recently freed: restoring the rest evicts none
+            if h in blocks._cached:  # noqa: SLF001
+                blocks.touch(h)
+                continue
+            payload = got.get(h)
+            block = blocks.restore(h) if payload is not None else None
+            if block is None:
+                break
+            ids.append(block)
+            data.append(payload)
+        if ids:
+            host = torch.stack([torch.frombuffer(p, dtype=self.runner.kv_cache.dtype) for p in data])
+            self.runner.write_blocks(ids, host.view(len(ids), *self.block_shape))
+            self.restored += len(ids)
+
+    # ---- writing -------------------------------------------------------------------------------
+    def tick(self, idle: bool) -> None:
+        """Between steps: write what is new once idle for FLUSH_IDLE_S, else every FLUSH_BUSY_S."""
+        now = time.monotonic()
+        if not idle:
+            self._last_step = now
+        if idle and now - self._last_step >= FLUSH_IDLE_S and now - self._last_flush >= FLUSH_IDLE_S:
+            self.flush(FLUSH_IDLE_BYTES)
+        elif now - self._last_flush >= FLUSH_BUSY_S:
+            self.flush(FLUSH_BUSY_BYTES)
+
+    def flush(self, max_bytes: int) -> int:
+        """Copy up to MAX_BYTES of cached blocks not on disk yet to the host and queue their writes."""
+        self._last_flush = time.monotonic()
+        if self.blocks.registered == self._seen:
+            return 0
+        with self._lock:
+            room = QUEUED_MAX_BYTES - self._queued
+        n = min(max_bytes, room) // self.block_bytes
+        todo = [(h, b) for h, b in self.blocks._cached.items() if h not in self.on_disk][:n]  # noqa: SLF001
+        if len(todo) < n:
+            self._seen = self.blocks.registered  # everything registered is on disk or queued
+        if not todo:
+            return 0
+        host = self.runner.read_blocks([b for _, b in todo])  # [n, layers, 2, KVH, bs, D], a copy
+        raw = host.view(torch.uint8).numpy()
+        self.on_disk.update(h for h, _ in todo)
+        with self._lock:
+            self._queued += raw.nbytes
+        self.writer.jobs.put(lambda: self._write([h for h, _ in todo], raw))
+        return len(todo)
+
+    def _write(self, hashes: list[bytes], raw) -> None:
+        try:
+            for i, h in enumerate(hashes):
+                try:
+                    kv_files.write_block(self.folder, self.layout, h, raw[i])
+                    self.written += 1
+                except OSError as e:
+                    self.on_disk.difference_update(hashes[i:])
+                    log.warning("hotstart: engine: prefix cache on disk: writing a block: %s", e)
+                    break
+            kv_files.enforce_budget(self.folder.parent.parent, self.budget, DISK_RESERVE)
+        finally:
+            with self._lock:
+                self._queued -= raw.nbytes
+
+    def sync(self, timeout: float = CLOSE_S) -> None:
+        """Write what is left and wait for the writer (both bounded by TIMEOUT)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.flush(FLUSH_IDLE_BYTES):
+            pass
+        written = threading.Event()
+        self.writer.jobs.put(written.set)
+        written.wait(max(0.0, deadline - time.monotonic()))
+
+    def close(self) -> None:
+        """sync(), then stop both threads."""
+        self.sync()
+        for t in (self.reader, self.writer):
+            t.jobs.put(None)
+
+    def stats(self) -> dict[str, int]:
+        return {"prefix_disk_blocks": len(self.on_disk), "prefix_disk_restored": self.restored,
+                "prefix_disk_written": self.written}

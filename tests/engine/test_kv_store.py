@@ -1,0 +1,129 @@
+"""The prefix cache on disk (engine/kv_store.py, model/kv_files.py): blocks written by one engine are read
+back by the next one of the same model and layout, and change nothing but the work done (greedy tokens
+equal, logprobs equal within float32's rounding), while a corrupt, foreign or group-writable file is never
+loaded (and is deleted). Real engines in this process on a transformers-written float32 checkpoint."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import time
+
+import pytest
+
+from hotstart.config import EngineConfig
+from hotstart.engine.block_manager import block_hash
+from hotstart.engine.core import EngineCore
+from hotstart.messages import EngineRequest
+from hotstart.model import kv_files
+from hotstart.sampling_params import SamplingParams
+
+PROMPT = [random.Random(0).randrange(3, 250) for _ in range(83)]  # 5 full blocks of 16, then 3 tokens
+
+
+@pytest.fixture()
+def kv_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOTSTART_KV_DIR", str(tmp_path / "kv"))
+    return tmp_path / "kv"
+
+
+def engine(path, disk: str = "64M", max_len: int = 256) -> EngineCore:
+    cfg = EngineConfig(model_path=str(path), dtype="float32", max_model_len=max_len, max_num_seqs=2,
+                       kv_cache_memory=1 << 22, prefix_cache_disk=disk, compile="off")
+    return EngineCore.build(cfg)
+
+
+def run(core: EngineCore, prompt=PROMPT) -> tuple[list[int], list[dict[int, float]]]:
+    """Greedy tokens and each one's top-3 logprobs."""
+    rid = f"r{time.monotonic_ns()}"
+    core.add_request(EngineRequest(rid, list(prompt), SamplingParams(max_tokens=6, temperature=0,
+                                                                      ignore_eos=True, logprobs=3)))
+    tokens, lps = [], []
+    while core.has_work():
+        for out in core.step():
+            tokens += out.new_token_ids
+            lps += [dict(zip(lp.top_ids, lp.top_logprobs, strict=True)) for lp in out.logprobs or []]
+    return tokens, lps
+
+
+def written(core: EngineCore) -> list:
+    core.store.close()
+    return sorted(core.store.folder.glob("*.kv"))
+
+
+def same(a, b) -> None:
+    assert a[0] == b[0]
+    for x, y in zip(a[1], b[1], strict=True):
+        assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-5 for t in x)  # float32: ~1e-6 apart
+
+
+def test_a_restored_prefix_changes_nothing_but_the_work(tiny_checkpoint, kv_dir):
+    path = tiny_checkpoint("qwen2")
+    cold = run(engine(path, disk="0"))
+    first = engine(path)
+    assert first.store is not None and not first.store.on_disk
+    same(run(first), cold)
+    files = written(first)
+    assert len(files) >= 5 and all(f.stat().st_mode & 0o777 == 0o600 for f in files)
+    again = engine(path)  # a restart
+    assert len(again.store.on_disk) == len(files)
+    same(run(again), cold)
+    s = again.stats()
+    assert s.prefix_disk_restored == 5 and s.prefix_cache_hits == 80  # the 5 prompt blocks, read back
+    assert s.prompt_tokens_computed == len(PROMPT) - 80  # only the tail was computed
+    again.store.close()
+
+
+def test_corrupt_foreign_or_unsafe_files_are_never_loaded(tiny_checkpoint, tmp_path, kv_dir):
+    path = tiny_checkpoint("qwen2")
+    cold = run(engine(path, disk="0"))
+    writer = engine(path)
+    run(writer)
+    folder, layout, nbytes = writer.store.folder, writer.store.layout, writer.store.block_bytes
+    written(writer)
+    chain = [block_hash(b"", PROMPT[:16])]
+    for j in range(1, 5):
+        chain.append(block_hash(chain[-1], PROMPT[16 * j:16 * j + 16]))
+    # a flipped payload byte in the second block: the first is read back, the rest computed
+    second = kv_files.block_path(folder, chain[1])
+    data = bytearray(second.read_bytes())
+    data[-1] ^= 0x40
+    second.write_bytes(data)
+    again = engine(path)
+    same(run(again), cold)
+    assert again.stats().prefix_disk_restored == 1 and not second.exists()  # deleted, never loaded
+    # writable by others, or not ours: refused the same way
+    third = kv_files.block_path(folder, chain[2])
+    third.chmod(0o666)
+    assert kv_files.read_block(folder, layout, chain[2], nbytes) is None and not third.exists()
+    # another snapshot (the same files rewritten) and another layout get folders of their own
+    other = shutil.copytree(path, tmp_path / "other")
+    os.utime(other / "model.safetensors", (1, 1))
+    foreign = engine(other)
+    longer = engine(path, max_len=512)
+    assert len({folder, foreign.store.folder, longer.store.folder}) == 3
+    # this model's files under the other snapshot's names: the header names another layout
+    for f in folder.glob("*.kv"):
+        shutil.copy(f, foreign.store.folder / f.name)
+    foreign.store.on_disk = kv_files.list_blocks(foreign.store.folder)
+    assert len(foreign.store.on_disk) >= 3
+    same(run(foreign), cold)
+    assert foreign.stats().prefix_disk_restored == 0
+    assert not kv_files.block_path(foreign.store.folder, chain[0]).exists()
+    for core in (again, foreign, longer):
+        core.store.close()
+
+
+def test_the_size_budget_drops_the_least_recently_used(tmp_path):
+    folder = tmp_path / "snap" / "layout"
+    assert kv_files.usable_folder(folder)
+    layout = b"L" * 32
+    for i in range(4):
+        kv_files.write_block(folder, layout, bytes([i]) * 32, bytes(1000))
+        os.utime(kv_files.block_path(folder, bytes([i]) * 32), (100 + i, 100 + i))
+    assert kv_files.read_block(folder, layout, bytes([0]) * 32, 1000) == bytes(1000)  # touched: recent
+    size = kv_files.HEADER.size + 1000
+    assert kv_files.enforce_budget(tmp_path, 2 * size) == 2 * size
+    assert kv_files.list_blocks(folder) == {bytes([0]) * 32, bytes([3]) * 32}
+    assert kv_files.count_blocks(tmp_path, "snap") == 2
