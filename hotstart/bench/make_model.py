@@ -252,7 +252,7 @@ def write_shard(path: Path, tensors, dtype: str, pools) -> int:
 
 
 def _default_tokenizer_dir() -> Path:
-    from hotstart.boot.default_model import ensure_default_model  # noqa: PLC0415
+    from hotstart.bench.default_hf import ensure_default_model  # noqa: PLC0415
 
     return ensure_default_model()
 
