@@ -81,6 +81,22 @@ def random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator,
     return blocks.reshape(rows, -1)
 
 
+POOL_BLOCKS = 1 << 20  # per type: 1 Mi blocks (18 - 210 MiB) of random weights, sliced at random offsets
+
+
+def _pooled(pools: dict, kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """uint8 [rows, row_bytes] of KIND: a slice of that type's pool (a view: a 7B-shaped file is written
+    without holding its weights in memory), or fresh blocks where the pool is too small."""
+    _, block, size = TYPES[TYPE_IDS[kind]]
+    n = rows * (cols // block)
+    if n > POOL_BLOCKS:
+        return random_blocks(kind, rows, cols, rng)
+    if kind not in pools:
+        pools[kind] = random_blocks(kind, 1, POOL_BLOCKS * block, rng).reshape(POOL_BLOCKS, -1)
+    start = int(rng.integers(0, POOL_BLOCKS - n + 1))
+    return pools[kind][start:start + n].reshape(rows, -1)
+
+
 def metadata(writer, arch_name: str, mc: ModelConfig, quant: str, name: str) -> None:
     """The general.* and {arch}.* keys of MC (what gguf_arch.config_dict reads back)."""
     writer.add_name(name)
@@ -138,6 +154,7 @@ def write_gguf(path: Path, mc: ModelConfig, plan, quant: str, tokenizer: GGUFFil
     if tokenizer is not None:
         copy_tokenizer(writer, tokenizer)
     written = {}
+    pools: dict[str, np.ndarray] = {}  # kind -> random blocks, [n, block bytes]: tensors are slices of it
     for hf_name, shape, fill in plan:
         g = gguf_name(arch, hf_name)
         rows, cols = (1, shape[0]) if len(shape) == 1 else shape
@@ -147,7 +164,7 @@ def write_gguf(path: Path, mc: ModelConfig, plan, quant: str, tokenizer: GGUFFil
             blocks = data.view(np.uint8).reshape(1, -1)
         else:
             kind = tensor_type(quant, g, cols, mc.num_hidden_layers)
-            blocks = random_blocks(kind, rows, cols, rng)
+            blocks = _pooled(pools, kind, rows, cols, rng)
         dtype = gguf.GGMLQuantizationType[kind]
         # the byte shape [rows, row_bytes]: the writer turns it into the element shape
         writer.add_tensor(g, blocks if len(shape) == 2 else blocks.reshape(-1), raw_dtype=dtype)

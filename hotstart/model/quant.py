@@ -15,8 +15,9 @@ THE KERNEL CONTRACT (kept stable: the quantized kernels register through it)
     the engine's step thread only, with torch's OpenMP threads free for it.
 
 The reference path (any host): dequantize W per call, in float32, exactly as the `gguf` package's numpy
-dequantization does (bit-identical: tests/model/test_quant.py), in row chunks, then F.linear in the
-activations' dtype. Its cost per step is a pass over the dequantized weights: correct everywhere, fast
+dequantization does (bit-identical: tests/model/test_gguf.py), in row chunks, then F.linear in float32
+(bf16 activations too: no second rounding of the weights, and no bf16 GEMM, slow on CPUs without
+AVX512-BF16). Its cost per step is a pass over the dequantized weights: correct everywhere, fast
 nowhere; the kernel is the fast path.
 
 Block layouts (ggml-common.h; d, dmin, m: float16 scales; q: packed integers):
@@ -147,14 +148,14 @@ def dequantize(w: torch.Tensor, ggml_type: int) -> torch.Tensor:
 
 
 def reference_matmul(x: torch.Tensor, w: torch.Tensor, ggml_type: int) -> torch.Tensor:
-    """x: [M, K], w: [N, row_bytes] -> [M, N] float32: F.linear over W dequantized (row chunks at a time),
-    in x's dtype."""
+    """x: [M, K], w: [N, row_bytes] -> [M, N] float32: F.linear over W dequantized (row chunks at a time)."""
+    x = x.float()
     rows = max(1, CHUNK_ELEMENTS // max(1, x.shape[-1]))
     if w.shape[0] <= rows:
-        return F.linear(x, dequantize(w, ggml_type).to(x.dtype)).float()
+        return F.linear(x, dequantize(w, ggml_type))
     out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32, device=x.device)
     for r in range(0, w.shape[0], rows):
-        out[:, r:r + rows] = F.linear(x, dequantize(w[r:r + rows], ggml_type).to(x.dtype))
+        out[:, r:r + rows] = F.linear(x, dequantize(w[r:r + rows], ggml_type))
     return out
 
 
