@@ -5,14 +5,16 @@ RoPE is read by rope_config.py, the attention window by sliding_window.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hotstart import config_fields as fields
-from hotstart import families
+from hotstart import families, gguf_arch
 from hotstart.errors import ModelConfigError
+from hotstart.gguf_file import GGUFFile
 from hotstart.rope_config import RopeConfig, parse_ropes
 from hotstart.sliding_window import parse_window
 
@@ -239,8 +241,13 @@ def _read_json(path: Path) -> Any:
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
-    """Parse MODEL_DIR/config.json (and generation_config.json's eos ids). Errors name file and field."""
+    """Parse MODEL_DIR/config.json (and generation_config.json's eos ids), or MODEL_DIR's metadata where it
+    is a GGUF file (hotstart/gguf_arch.py). Errors name file and field (or GGUF key)."""
     model_dir = Path(model_dir)
+    if model_dir.is_file():  # a GGUF file (GGUFFile refuses anything else in one line)
+        gf = GGUFFile(model_dir)
+        mc = parse_model_config(gguf_arch.config_dict(gf), model_dir)
+        return dataclasses.replace(mc, path=str(model_dir))
     src = model_dir / "config.json"
     if not src.is_file():
         raise ModelConfigError(f"{src}: not found (is '{model_dir}' a model folder?)")

@@ -60,7 +60,7 @@ def no_background_compiles():
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
-    from hotstart.boot.default_model import ensure_default_model
+    from hotstart.bench.default_hf import ensure_default_model
 
     return ensure_default_model(quiet=True)
 

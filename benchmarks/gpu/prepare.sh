@@ -14,7 +14,7 @@ PKGS=(msgspec pyzmq fastapi starlette pydantic pydantic-core annotated-types typ
 "$PY" -m pip download -q --dest "$OUT" --only-binary=:all: --no-deps --python-version 3.12 \
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
     --platform any --implementation cp "${PKGS[@]}"
-MODEL=$("$PY" -c "from hotstart.boot.default_model import ensure_default_model as e; print(e(quiet=True))")
+MODEL=$("$PY" -c "from hotstart.bench.default_hf import ensure_default_model as e; print(e(quiet=True))")
 cp "$MODEL"/{config.json,tokenizer.json,tokenizer_config.json,generation_config.json} "$OUT/tokenizer/"
 cp "$MODEL"/chat_template.jinja "$OUT/tokenizer/" 2>/dev/null || true
 du -sh "$OUT"

@@ -260,7 +260,7 @@ wanted transformers && echo "  transformers: $TRANSFORMERS_PEER"
 # --- smoke: each peer serves once ----------------------------------------------------------------
 if ((SMOKE)); then
     [[ -x $PROJECT_PY ]] || die "$PROJECT_PY not found: run \`make setup\` first (the smoke test serves the default model)"
-    MODEL=$("$PROJECT_PY" -c 'from hotstart.boot.default_model import ensure_default_model; print(ensure_default_model(quiet=True))' | tail -n 1) \
+    MODEL=$("$PROJECT_PY" -c 'from hotstart.bench.default_hf import ensure_default_model; print(ensure_default_model(quiet=True))' | tail -n 1) \
         || die "cannot find the default model (ensure_default_model failed)"
     echo
     args=()

@@ -88,6 +88,13 @@ def _add_make_model(sub) -> None:
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="folder whose tokenizer files the checkpoint gets (default: the embedded model's)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--format", default="safetensors", choices=["safetensors", "gguf"],
+                   help="gguf: one GGUF file (OUT/model.QUANT.gguf) of random ggml blocks, with the default "
+                        "model's tokenizer (llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3)")
+    quants = ["Q4_K_M", "Q5_K_M", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16",
+              "BF16", "F32"]
+    p.add_argument("--quant", default="Q4_K_M", choices=quants,
+                   help="--format gguf: the tensor types (Q4_K_M, Q5_K_M: llama.cpp's mixes)")
     p.add_argument("--shard-size", default="2GB", help="largest shard, e.g. 2GB, 500MB, 1GiB (default 2GB)")
     p.add_argument("--seed", type=int, default=0)
     dims = p.add_argument_group("dimensions (override --size, or replace it)")

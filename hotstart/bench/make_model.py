@@ -252,7 +252,7 @@ def write_shard(path: Path, tensors, dtype: str, pools) -> int:
 
 
 def _default_tokenizer_dir() -> Path:
-    from hotstart.boot.default_model import ensure_default_model  # noqa: PLC0415
+    from hotstart.bench.default_hf import ensure_default_model  # noqa: PLC0415
 
     return ensure_default_model()
 
@@ -266,11 +266,46 @@ def _prepare_out(out: Path) -> None:
         raise HotstartError(f"--out {out}: {e.strerror}") from None
 
 
+def _make_gguf(args: argparse.Namespace, out: Path) -> int:
+    """--format gguf: OUT/model.QUANT.gguf (bench/gguf_make.py), written beside OUT and renamed."""
+    from hotstart.bench import gguf_make  # noqa: PLC0415 - imports numpy and the gguf package
+    from hotstart.boot.default_model import find_gguf  # noqa: PLC0415
+    from hotstart.gguf_file import GGUFFile  # noqa: PLC0415
+
+    tok = GGUFFile(find_gguf())
+    vocab = len(tok.fields["tokenizer.ggml.tokens"])
+    special = {k: tok.fields[f"tokenizer.ggml.{k}"] for k in ("bos_token_id", "eos_token_id")}
+    if args.vocab not in (None, vocab):
+        raise HotstartError(f"--format gguf: --vocab must be the tokenizer's {vocab} tokens")
+    args.vocab = vocab
+    cfg = build_config(args, vocab, special)
+    mc = parse_model_config(cfg, Path("config.json"))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        t = time.perf_counter()
+        path = tmp / f"model.{args.quant}.gguf"
+        gguf_make.write_gguf(path, mc, tensor_plan(cfg), args.quant, tok, args.seed,
+                             name=f"hotstart random {args.family} {args.size or 'custom'}")
+        size, took = path.stat().st_size, time.perf_counter() - t
+        tmp.chmod(0o755)
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    print(f"{out / path.name}: {mc.architecture} {args.size or 'custom'} {args.quant}, {size / 1e9:.2f} GB "
+          f"in {took:.1f} s")
+    return 0
+
+
 def run_make_model(args: argparse.Namespace) -> int:
     """Entry point of `hotstart make-model`."""
     out = Path(args.out).expanduser().resolve()
     shard_limit = parse_size(args.shard_size)
     _prepare_out(out)
+    if getattr(args, "format", "safetensors") == "gguf":
+        return _make_gguf(args, out)
     given = getattr(args, "tokenizer", None)
     tok_dir = Path(given).expanduser() if given else _default_tokenizer_dir()
     if not (tok_dir / "tokenizer.json").is_file() or not (tok_dir / "config.json").is_file():

@@ -254,9 +254,9 @@ def run_over_time_bench(args) -> int:
         raise HotstartError("bench over-time: --streams, --duration, --window and --max-tokens must be > 0")
     model = args.model
     if model is None:
-        from hotstart.boot.default_model import ensure_default_model
+        from hotstart.boot.default_model import find_gguf
 
-        model = str(ensure_default_model(quiet=True))  # from the real HOTSTART_HOME, before the private one
+        model = str(find_gguf())
     args.model_resolved = model
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,10 +1,10 @@
-"""Resolve `hotstart serve MODEL` to a folder on disk, torch-free, in milliseconds when it is cached.
+"""Resolve `hotstart serve MODEL` to a folder or a GGUF file on disk, torch-free, in milliseconds when cached.
 
-MODEL is one of: nothing (the embedded default model), a local folder, s3://BUCKET/PREFIX, or a hub id
-("org/name" or "name"; `modelscope://org/name` for ModelScope, or any id with VLLM_USE_MODELSCOPE=true).
-A hub id is downloaded into the hub's own cache when it is not complete there (boot/remote/: the weights
-stream in while the engine starts); with HF_HUB_OFFLINE set nothing is requested and only the caches
-are read (the Hugging Face cache, then ModelScope's).
+MODEL is one of: nothing (the embedded default model: its shipped GGUF), a local folder or GGUF file,
+s3://BUCKET/PREFIX, or a hub id ("org/name" or "name"; `modelscope://org/name` for ModelScope, or any id
+with VLLM_USE_MODELSCOPE=true). A hub id is downloaded into the hub's own cache when it is not complete
+there (boot/remote/: the weights stream in while the engine starts); with HF_HUB_OFFLINE set nothing is
+requested and only the caches are read (the Hugging Face cache, then ModelScope's).
 
 The HF cache lookup is written here rather than taken from huggingface_hub, because importing
 `huggingface_hub.file_download` costs ~140-160 ms (it pulls its HTTP stack), measured with
@@ -22,6 +22,7 @@ from pathlib import Path
 
 from hotstart.boot.hubcache import hf_hub_cache, hf_offline, modelscope_candidates, use_modelscope
 from hotstart.errors import HotstartError, ModelNotFoundError
+from hotstart.gguf_file import is_gguf
 
 # huggingface_hub's repo-id alphabet (and, below, its 96-character limit): nothing else can be cached.
 _HUB_PART = re.compile(r"^[A-Za-z0-9_.\-]+$")
@@ -38,15 +39,14 @@ class ResolvedModel:
     remote: object | None = None  # remote models: the RemoteModel (download progress), boot/remote/session.py
 
 
-def resolve_model(spec: str | None, revision: str | None = None,
-                  convert_default: bool = True) -> ResolvedModel:
+def resolve_model(spec: str | None, revision: str | None = None) -> ResolvedModel:
     """Resolve a model spec without importing torch.
 
-    None -> the embedded default model (converted once if `convert_default`, else only its folder).
-    An existing folder -> that folder (it must hold config.json). A path-looking spec that does not
-    exist -> error. s3:// -> listed and downloading. Otherwise a hub id at `revision` (default: the
-    hub's default branch): its complete copy in the hub's cache, else downloading (boot/remote/); with
-    HF_HUB_OFFLINE, looked up in the HF cache, then in the ModelScope cache.
+    None -> the embedded default model: its GGUF file, served as it ships. A GGUF file -> that file.
+    An existing folder -> that folder (with config.json), else the one .gguf file it holds. A
+    path-looking spec that does not exist -> error. s3:// -> listed and downloading. Otherwise a hub id
+    at `revision` (default: the hub's default branch): its complete copy in the hub's cache, else
+    downloading (boot/remote/); with HF_HUB_OFFLINE, looked up in the HF cache, then in the ModelScope cache.
     Raises ModelNotFoundError (a HotstartError) with a one-line message.
     """
     if spec is not None and spec.startswith(("s3://", "s3:")) or "=s3://" in (spec or ""):
@@ -62,8 +62,8 @@ def resolve_model(spec: str | None, revision: str | None = None,
         # Imported here: it pulls subprocess/tempfile (~8 ms) that a hub or local start never needs.
         from hotstart.boot import default_model  # noqa: PLC0415 - lazy, see above
 
-        path = default_model.ensure_default_model() if convert_default else default_model.default_model_dir()
-        return ResolvedModel(path=path, source="default", name=default_model.DEFAULT_MODEL_NAME)
+        return ResolvedModel(path=default_model.find_gguf(), source="default",
+                             name=default_model.DEFAULT_MODEL_NAME)
     if not spec.strip():
         raise ModelNotFoundError("model name is empty")
 
@@ -77,13 +77,31 @@ def resolve_model(spec: str | None, revision: str | None = None,
             raise HotstartError(f"model '{spec}': --revision applies to hub model ids, not to local folders")
         local = local.resolve()
         if not (local / "config.json").is_file():
-            raise ModelNotFoundError(f"model '{spec}': folder {local} has no config.json")
+            return ResolvedModel(path=_gguf_in(spec, local), source="local", name=local.name)
         return ResolvedModel(path=local, source="local", name=local.name)
     if os.path.exists(local):
-        raise ModelNotFoundError(f"model '{spec}': {local} is a file; give the folder holding config.json")
+        if revision is not None:
+            raise HotstartError(f"model '{spec}': --revision applies to hub model ids, not to local files")
+        if not is_gguf(local):
+            raise ModelNotFoundError(f"model '{spec}': {local} is a file but not a GGUF file; give a GGUF "
+                                     "file or the folder holding config.json")
+        local = local.resolve()
+        return ResolvedModel(path=local, source="local", name=local.name.removesuffix(".gguf"))
     if _looks_like_path(spec):
         raise ModelNotFoundError(f"model '{spec}': no such folder")
     return _resolve_hub_id(spec, revision)
+
+
+def _gguf_in(spec: str, folder: Path) -> Path:
+    """The one GGUF file of FOLDER (a folder without config.json), or one line saying why not."""
+    found = sorted(p for p in folder.glob("*.gguf") if p.is_file() and not p.name.startswith("mmproj"))
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise ModelNotFoundError(f"model '{spec}': folder {folder} has no config.json and no .gguf file")
+    names = ", ".join(p.name for p in found[:4]) + (" ..." if len(found) > 4 else "")
+    raise ModelNotFoundError(f"model '{spec}': folder {folder} holds {len(found)} GGUF files ({names}): "
+                             "name the file")
 
 
 def _resolve_remote(spec: str, revision: str | None) -> ResolvedModel:

@@ -14,6 +14,7 @@ import os
 import sys
 
 from hotstart.forkserver.runtime import hotstart_dir
+from hotstart.gguf_file import is_gguf
 
 WATCHED = ("engine", "model", "forkserver")  # every file here counts, imported yet or not (lazy imports)
 
@@ -55,11 +56,14 @@ def validate(msg, uid: int) -> str | None:
     cfg = msg.config
     if not 1 <= msg.world_size <= 64 or msg.generation < 0:
         return f"world_size {msg.world_size} / generation {msg.generation} out of range"
-    if not os.path.isabs(cfg.model_path) or not os.path.isfile(os.path.join(cfg.model_path, "config.json")):
-        return f"model_path {cfg.model_path!r} is not a model folder"
+    gguf = os.path.isfile(cfg.model_path) and is_gguf(cfg.model_path)
+    if not os.path.isabs(cfg.model_path) or not (gguf or os.path.isfile(os.path.join(cfg.model_path,
+                                                                                     "config.json"))):
+        return f"model_path {cfg.model_path!r} is not a model folder or GGUF file"
     if len(cfg.weight_files) > 100_000 or not all(
-            os.path.isabs(f) and f.endswith(".safetensors") and os.path.isfile(f) for f in cfg.weight_files):
-        return "weight_files must be existing .safetensors files"
+            os.path.isabs(f) and os.path.isfile(f) and (f.endswith(".safetensors") or is_gguf(f))
+            for f in cfg.weight_files):
+        return "weight_files must be existing .safetensors or .gguf files"
     ranges = {"max_model_len": 1 << 24, "max_num_seqs": 1 << 16, "max_num_batched_tokens": 1 << 24,
               "block_size": 1 << 12, "kv_cache_memory": 1 << 50}
     for name, high in ranges.items():

@@ -58,6 +58,7 @@ class CausalLM(nn.Module):
         # oneDNN layout of output_weight(), set between steps (engine/fastpath/pack.py)
         self.lm_head_prepacked: torch.Tensor | None = None
         self.lm_head_gemv: cpu_kernels.Segments | None = None  # the small-batch kernel over output_weight()
+        self.quant_head: nn.Module | None = None  # a GGUF's quantized LM head (model/quant.py QuantLinear)
         self.layer_ops = False  # every step through model/layer_ops.py (set with the CPU kernels)
         self.tp = None  # parallel.TensorParallel: this model is one rank's part (set by parallel.shard)
 
@@ -89,7 +90,9 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         # hidden: [N, hidden] -> logits: [N, vocab] float32 (tensor parallel: gathered on rank 0, else None)
-        if self.lm_head_gemv is not None and self.lm_head_gemv.fits(hidden):
+        if self.quant_head is not None:
+            logits = self.quant_head(hidden).float()
+        elif self.lm_head_gemv is not None and self.lm_head_gemv.fits(hidden):
             logits = self.lm_head_gemv(hidden, torch.float32)
         elif self.lm_head_prepacked is not None:
             logits = onednn.linear(hidden, self.lm_head_prepacked, None).float()

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from hotstart.errors import WeightsError
+from hotstart.gguf_file import is_gguf
 from hotstart.model.arrival import arriving
 
 SIDECAR_NAMES = (
@@ -17,13 +18,15 @@ SIDECAR_NAMES = (
 
 
 def weight_files(model_dir: Path) -> list[Path]:
-    """The safetensors files of a model folder, in load order.
+    """The safetensors files of a model folder, in load order (a GGUF file: itself).
 
     The shards named by model.safetensors.index.json (sorted, unique), else model.safetensors,
     else every *.safetensors sorted by name. Raises WeightsError if there are none, if the index is
     not valid JSON, or if it names a shard that is missing.
     """
     model_dir = Path(model_dir)
+    if model_dir.is_file() and is_gguf(model_dir):
+        return [model_dir]  # a GGUF file holds the weights, the config and the tokenizer
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -64,5 +67,8 @@ def confined(name: str) -> bool:
 
 
 def sidecar_files(model_dir: Path) -> list[Path]:
-    """The small files a start reads besides the weights (config, tokenizer, template), those that exist."""
+    """The small files a start reads besides the weights (config, tokenizer, template), those that exist
+    (none beside a GGUF file: its header holds them)."""
+    if Path(model_dir).is_file():
+        return []
     return [p for p in (Path(model_dir) / n for n in SIDECAR_NAMES) if p.is_file()]

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from hotstart.errors import WeightsError
+from hotstart.gguf_file import is_gguf
 from hotstart.model import arrival, parallel, registry
 from hotstart.model.decoder import CausalLM
 from hotstart.model.layers import FusedLinear
@@ -64,6 +65,12 @@ def load_model(
     on_progress gets the global byte offset (sum of earlier file sizes + offset in the current file) after
     each tensor. fused: fuse q/k/v and gate/up (default: on GPUs only). tp: build and fill only rank
     tp.rank's part (model/parallel.py)."""
+    if len(files) == 1 and is_gguf(files[0]):
+        if tp is not None:
+            raise WeightsError(f"{files[0]}: GGUF files are served on one rank (no --tensor-parallel-size)")
+        from hotstart.model.gguf_loader import load_gguf_model  # noqa: PLC0415 - GGUF models only
+
+        return load_gguf_model(cfg, files[0], device, dtype, max_positions, on_progress)
     device = torch.device(device)
     if fused is None:
         fused = device.type != "cpu"

@@ -16,6 +16,8 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as _Backend
 
 from hotstart.errors import HotstartError
+from hotstart.gguf_file import GGUFFile, is_gguf
+from hotstart.text import gguf_tokenizer
 from hotstart.text.chat_template import (  # noqa: F401 - ChatTemplateError is part of this module's API
     ChatTemplateError,
     _alias_reasoning,
@@ -72,6 +74,8 @@ class Tokenizer:
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
         """Load tokenizer.json, tokenizer_config.json and the chat template(s) of a model folder."""
         folder = Path(model_dir)
+        if not folder.is_dir() and is_gguf(folder):
+            return cls.from_gguf(folder)
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise TokenizerError(f"{path}: not found (hotstart needs the model's tokenizer.json)")
@@ -85,6 +89,12 @@ class Tokenizer:
             # transformers reads the legacy special_tokens_map.json only then, and lets it win
             config.update(_read_json_object(folder / "special_tokens_map.json"))
         return cls(backend, config, _load_chat_templates(folder, config), name=str(folder))
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        """The tokenizer and chat template(s) of a GGUF file, from its metadata (text/gguf_tokenizer.py)."""
+        backend, config, templates = gguf_tokenizer.build(GGUFFile(path))
+        return cls(backend, config, templates, name=str(path))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Same ids as transformers' `tokenizer(text).input_ids`. A long text goes through the batch call,

@@ -1,5 +1,6 @@
-"""Two first starts at once convert the default model once (hotstart/boot/default_model.py): a start that
-finds another holding the conversion's lock waits for it, then uses its folder, and never removes it."""
+"""Two starts at once convert the default model's bf16 copy once (hotstart/bench/default_hf.py, the copy
+benchmarks and tests use): a start that finds another holding the conversion's lock waits for it, then uses
+its folder, and never removes it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import sys
 import textwrap
 import time
 
-from hotstart.boot.default_model import COMPLETE_MARKER, DEFAULT_MODEL_NAME, ensure_default_model
+from hotstart.bench.default_hf import COMPLETE_MARKER, ensure_default_model
+from hotstart.boot.default_model import DEFAULT_MODEL_NAME
 
 # another start, converting: holds the lock, then renames its finished folder into place
 CONVERTING = textwrap.dedent(f"""

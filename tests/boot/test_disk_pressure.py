@@ -17,7 +17,7 @@ import pytest
 from helpers.disk import small_tmpfs
 
 from hotstart import diskio
-from hotstart.boot.default_model import COMPLETE_MARKER, is_converted
+from hotstart.bench.default_hf import COMPLETE_MARKER, is_converted
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hotstart.boot.default_model import COMPLETE_MARKER, DEFAULT_MODEL_NAME
+from hotstart.boot.default_model import DEFAULT_MODEL_NAME
 from hotstart.boot.resolve import ResolvedModel, resolve_model
 from hotstart.errors import HotstartError, ModelNotFoundError, WeightsError
 from hotstart.model.files import sidecar_files, weight_files
@@ -227,7 +227,7 @@ def test_local_folder_without_config(tmp_path):
     folder = write_model(tmp_path / "empty", config=False)
     with pytest.raises(ModelNotFoundError) as e:
         resolve_model(str(folder))
-    assert str(e.value) == f"model '{folder}': folder {folder} has no config.json"
+    assert str(e.value) == f"model '{folder}': folder {folder} has no config.json and no .gguf file"
 
 
 def test_local_folder_rejects_revision(tmp_path):
@@ -246,11 +246,23 @@ def test_missing_path(spec, tmp_path, monkeypatch):
 
 
 def test_file_is_not_a_model(tmp_path):
-    gguf = tmp_path / "m.gguf"
-    gguf.write_bytes(b"GGUF")
+    other = tmp_path / "m.bin"
+    other.write_bytes(b"PK\x03\x04")
     with pytest.raises(ModelNotFoundError) as e:
-        resolve_model(str(gguf))
-    assert str(e.value) == f"model '{gguf}': {gguf} is a file; give the folder holding config.json"
+        resolve_model(str(other))
+    assert str(e.value) == (f"model '{other}': {other} is a file but not a GGUF file; give a GGUF file or "
+                            "the folder holding config.json")
+
+
+def test_gguf_file_and_folder_holding_one(tmp_path):
+    gguf = tmp_path / "m" / "tiny.Q8_0.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF")  # the header is read later (model_config), resolution only finds it
+    assert resolve_model(str(gguf)) == ResolvedModel(gguf, "local", "tiny.Q8_0")
+    assert resolve_model(str(gguf.parent)) == ResolvedModel(gguf, "local", "m")
+    (gguf.parent / "other.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ModelNotFoundError, match="holds 2 GGUF files .*: name the file$"):
+        resolve_model(str(gguf.parent))
 
 
 def test_empty_spec():
@@ -260,14 +272,13 @@ def test_empty_spec():
 
 # ---- default model ----
 
-def test_default_model(tmp_path):
-    target = tmp_path / "hotstart-home" / "models" / DEFAULT_MODEL_NAME
-    assert resolve_model(None, convert_default=False) == ResolvedModel(target, "default", DEFAULT_MODEL_NAME)
-    write_model(target)
-    (target / COMPLETE_MARKER).write_text("converted\n")  # ensure_default_model() then converts nothing
-    assert resolve_model(None) == ResolvedModel(target, "default", DEFAULT_MODEL_NAME)
+def test_default_model_is_its_shipped_gguf(tmp_path):
+    from hotstart.boot.default_model import find_gguf
+
+    assert resolve_model(None) == ResolvedModel(find_gguf(), "default", DEFAULT_MODEL_NAME)
+    assert not (tmp_path / "hotstart-home").exists()  # nothing converted, nothing written
     with pytest.raises(HotstartError, match="--revision applies to hub model ids, not to the default model"):
-        resolve_model(None, revision="main", convert_default=False)
+        resolve_model(None, revision="main")
 
 
 # ---- weight and sidecar files ----
@@ -343,7 +354,7 @@ def test_import_and_use_pull_no_heavy_modules(tmp_path):
         "from hotstart.boot.resolve import resolve_model\n"
         "from hotstart.model.files import weight_files, sidecar_files\n"
         f"r = resolve_model({str(folder)!r}); weight_files(r.path); sidecar_files(r.path)\n"
-        "resolve_model(None, convert_default=False)\n"
+        "resolve_model(None)\n"
         "try:\n    resolve_model('org/absent')\nexcept Exception:\n    pass\n"
         "heavy = [m for m in ('torch', 'transformers', 'huggingface_hub', 'numpy') if m in sys.modules]\n"
         "print(','.join(heavy) or 'clean')\n"

@@ -25,7 +25,7 @@ import psutil
 import pytest
 from helpers.server import Server, serving
 
-from hotstart.boot.default_model import default_model_dir as served_model_folder
+from hotstart.bench.default_hf import default_model_dir as served_model_folder
 
 MODEL = "SmolLM2-135M-Instruct"
 KEY = "sk-hotstart-Q7Zr4kP2vX9mTn8W"
