@@ -1,0 +1,296 @@
+// Linear layers over ggml's quantized blocks (quant.h): out[m, n] = sum_k x[m, k] w[n, k], float32 out.
+//
+// x is quantized once per call to int8 per 32 elements (scale d_a = max |x| / 127, rounded to nearest
+// even), as llama.cpp's vec_dot quantizes its activations. Each thread then takes chunks of rows, one
+// sequential stream of blocks per thread: a segment of a row is unpacked into quant.h's one form (in L1)
+// and multiplied with every token's activations, up to 4 tokens per pass (their accumulators stay in
+// registers), so a step of M tokens unpacks each weight once per block of TOKEN_BLOCK tokens.
+//   AVX512-VNNI: vpdpbusd multiplies 64 u8 weights with 64 s8 activations into 16 int32 sums (one per
+//     4 elements, so lanes 8i .. 8i + 7 hold group i of 32, or lanes 4i .. 4i + 3 group i of 16); each
+//     lane is scaled by its group's s_g d_a(g) (a permute of 16 groups' scales) into float accumulators.
+//   AVX2: vpmaddubsw + vpmaddwd, 32 elements per vector (Q8_0's u up to 255 would saturate vpmaddubsw's
+//     int16 pairs: widened to int16 and vpmaddwd instead).
+//   portable: the same integer sums in scalar code (the reference the SIMD paths are tested against).
+// The offsets' term sum_g o_g d_a(g) sum(q_g) is a dot product of 16 groups at a time.
+
+#include <omp.h>
+#include <math.h>
+
+#include <vector>
+
+#include "quant.h"
+
+namespace hsq {
+namespace {
+
+constexpr int64_t CHUNK = 16;        // rows per unit of parallel work
+constexpr int64_t TOKEN_BLOCK = 64;  // tokens per pass over a chunk's weights (their int8 rows in L2)
+constexpr int MAX_MM = 4;            // tokens per pass over a segment (accumulators in registers)
+
+struct Acts {          // x quantized; K padded with zeros to Kp (a multiple of 512)
+    int64_t M, Kp;
+    std::vector<int8_t> q;            // [M, Kp]
+    std::vector<float> d16, s16;      // [M, Kp / 16]: d_a of each group of 16, d_a * sum(q) over it
+    std::vector<float> d32, s32;      // [M, Kp / 32]: the same per group of 32
+    const float *d(int gs) const { return gs == 16 ? d16.data() : d32.data(); }
+    const float *s(int gs) const { return gs == 16 ? s16.data() : s32.data(); }
+};
+
+// one 32-element block of a token: q, d_a and the two halves' sums of q
+template <typename T>
+void quantize_block_ref(const T *x, int8_t *q, float &d, int &sum0, int &sum1) {
+    float amax = 0.0f;
+    for (int e = 0; e < 32; e++) amax = fmaxf(amax, fabsf(hs::to_f32(x[e])));
+    d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    sum0 = sum1 = 0;
+    for (int e = 0; e < 32; e++) {
+        q[e] = (int8_t)nearbyintf(hs::to_f32(x[e]) * id);  // nearest even, as cvtps2dq
+        (e < 16 ? sum0 : sum1) += q[e];
+    }
+}
+
+__attribute__((target("avx512f,avx512bw"))) inline __m512 load16(const float *p) { return _mm512_loadu_ps(p); }
+__attribute__((target("avx512f,avx512bw"))) inline __m512 load16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+template <typename T>
+__attribute__((target("avx512f,avx512bw")))
+void quantize_block_512(const T *x, int8_t *q, float &d, int &sum0, int &sum1) {  // equal to the _ref one
+    const __m512 a = load16(x), b = load16(x + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    d = amax / 127.0f;
+    const __m512 id = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, id)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, id));
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtsepi32_epi8(qa));
+    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtsepi32_epi8(qb));
+    sum0 = _mm512_reduce_add_epi32(qa);
+    sum1 = _mm512_reduce_add_epi32(qb);
+}
+
+template <typename T>
+void quantize(const T *x, int64_t M, int64_t K, int isa, Acts &a) {
+    a.M = M;
+    a.Kp = (K + 511) / 512 * 512;
+    a.q.assign(M * a.Kp, 0);
+    a.d16.assign(M * a.Kp / 16, 0.0f);
+    a.s16.assign(M * a.Kp / 16, 0.0f);
+    a.d32.assign(M * a.Kp / 32, 0.0f);
+    a.s32.assign(M * a.Kp / 32, 0.0f);
+#pragma omp parallel for schedule(static) if (M * K >= 65536)
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t b = 0; b < K / 32; b++) {
+            float d;
+            int s0, s1;
+            int8_t *q = a.q.data() + m * a.Kp + 32 * b;
+            if (isa == AVX512_VNNI)
+                quantize_block_512(x + m * K + 32 * b, q, d, s0, s1);
+            else
+                quantize_block_ref(x + m * K + 32 * b, q, d, s0, s1);
+            const int64_t g16 = m * a.Kp / 16 + 2 * b, g32 = m * a.Kp / 32 + b;
+            a.d16[g16] = a.d16[g16 + 1] = a.d32[g32] = d;
+            a.s16[g16] = d * (float)s0;
+            a.s16[g16 + 1] = d * (float)s1;
+            a.s32[g32] = d * (float)(s0 + s1);
+        }
+    }
+}
+
+// the tokens of one pass: int8 rows, their groups' d_a and d_a * sum(q), at the segment's start
+struct Pass {
+    const int8_t *q[MAX_MM];
+    const float *d[MAX_MM], *s[MAX_MM];
+};
+
+// ---- AVX512-VNNI -------------------------------------------------------------------------------------
+template <int GS, int MM>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+void dot_vnni(const Unpacked &w, int64_t n, const Pass &p, float *sums) {
+    constexpr int P = 16 * GS / 64;  // vectors of 64 elements per 16 groups
+    __m512i idx[P];                  // lane -> its group among the 16 (lane l holds elements 4l .. 4l + 3)
+    for (int v = 0; v < P; v++) {
+        alignas(64) int32_t lanes[16];
+        for (int l = 0; l < 16; l++) lanes[l] = (64 * v + 4 * l) / GS;
+        idx[v] = _mm512_load_si512(lanes);
+    }
+    __m512 acc[MM];
+    for (int t = 0; t < MM; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < n; c += 16 * GS) {
+        const int64_t g = c / GS;
+        const __m512 s = _mm512_load_ps(w.s + g), o = _mm512_load_ps(w.o + g);
+        __m512 scale[MM];
+        for (int t = 0; t < MM; t++) {
+            scale[t] = _mm512_mul_ps(s, _mm512_loadu_ps(p.d[t] + g));
+            acc[t] = _mm512_fmadd_ps(o, _mm512_loadu_ps(p.s[t] + g), acc[t]);
+        }
+        for (int v = 0; v < P; v++) {
+            const __m512i u = _mm512_load_si512(w.u + c + 64 * v);
+            for (int t = 0; t < MM; t++) {
+                const __m512i q = _mm512_loadu_si512(p.q[t] + c + 64 * v);
+                const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, q);
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(idx[v], scale[t]), acc[t]);
+            }
+        }
+    }
+    for (int t = 0; t < MM; t++) sums[t] += _mm512_reduce_add_ps(acc[t]);
+}
+
+// ---- AVX2 ----------------------------------------------------------------------------------------------
+template <int GS, bool WIDE, int MM>
+__attribute__((target("avx2,fma")))
+void dot_avx2(const Unpacked &w, int64_t n, const Pass &p, float *sums) {
+    constexpr int P = 8 * GS / 32;  // vectors of 32 elements per 8 groups
+    __m256i idx[P];
+    for (int v = 0; v < P; v++) {
+        alignas(32) int32_t lanes[8];
+        for (int l = 0; l < 8; l++) lanes[l] = (32 * v + 4 * l) / GS;
+        idx[v] = _mm256_load_si256((const __m256i *)lanes);
+    }
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[MM];
+    for (int t = 0; t < MM; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < n; c += 8 * GS) {
+        const int64_t g = c / GS;
+        const __m256 s = _mm256_load_ps(w.s + g), o = _mm256_load_ps(w.o + g);
+        __m256 scale[MM];
+        for (int t = 0; t < MM; t++) {
+            scale[t] = _mm256_mul_ps(s, _mm256_loadu_ps(p.d[t] + g));
+            acc[t] = _mm256_fmadd_ps(o, _mm256_loadu_ps(p.s[t] + g), acc[t]);
+        }
+        for (int v = 0; v < P; v++) {
+            const __m256i u = _mm256_load_si256((const __m256i *)(w.u + c + 32 * v));
+            for (int t = 0; t < MM; t++) {
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(p.q[t] + c + 32 * v));
+                __m256i dot;
+                if (WIDE) {  // a vector is one group of 32 (Q8_0): which lane sums what does not matter
+                    const __m256i lo = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(u)),
+                                                         _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)));
+                    const __m256i hi = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(u, 1)),
+                                                         _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1)));
+                    dot = _mm256_add_epi32(lo, hi);
+                } else {  // u <= 63: a pair of products stays within int16
+                    dot = _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), ones);
+                }
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_permutevar8x32_ps(scale[t], idx[v]), acc[t]);
+            }
+        }
+    }
+    for (int t = 0; t < MM; t++) sums[t] += hs::hsum256(acc[t]);
+}
+
+// ---- portable ------------------------------------------------------------------------------------------
+template <int GS, int MM>
+void dot_ref(const Unpacked &w, int64_t n, const Pass &p, float *sums) {
+    for (int t = 0; t < MM; t++) {
+        float acc = 0.0f;
+        for (int64_t g = 0; g < n / GS; g++) {
+            int32_t dot = 0;
+            for (int e = 0; e < GS; e++) dot += (int32_t)w.u[g * GS + e] * p.q[t][g * GS + e];
+            acc += w.s[g] * p.d[t][g] * (float)dot + w.o[g] * p.s[t][g];
+        }
+        sums[t] += acc;
+    }
+}
+
+using Dot = void (*)(const Unpacked &, int64_t, const Pass &, float *);
+
+template <int GS, bool WIDE>
+void dots(int isa, Dot *out) {  // the kernels of 1 .. MAX_MM tokens for this host
+    const Dot vnni[MAX_MM] = {dot_vnni<GS, 1>, dot_vnni<GS, 2>, dot_vnni<GS, 3>, dot_vnni<GS, 4>};
+    const Dot avx2[MAX_MM] = {dot_avx2<GS, WIDE, 1>, dot_avx2<GS, WIDE, 2>, dot_avx2<GS, WIDE, 3>,
+                              dot_avx2<GS, WIDE, 4>};
+    const Dot ref[MAX_MM] = {dot_ref<GS, 1>, dot_ref<GS, 2>, dot_ref<GS, 3>, dot_ref<GS, 4>};
+    for (int i = 0; i < MAX_MM; i++) out[i] = isa == AVX512_VNNI ? vnni[i] : isa == AVX2 ? avx2[i] : ref[i];
+}
+
+struct Weight {
+    const uint8_t *w;  // [n, row bytes], rows ldw bytes apart
+    int64_t ldw, n, col;
+    Info in;
+    Unpack unpack;
+    Dot dot[MAX_MM];
+};
+
+// rows n0 .. n1 of weight W times tokens m0 .. m1: out[m, col + n]
+void rows(const Weight &W, int64_t n0, int64_t n1, const Acts &a, int64_t m0, int64_t m1, int64_t K, float *out,
+          int64_t ldo, Unpacked &seg) {
+    const int gs = W.in.group;
+    const int64_t G = a.Kp / gs;  // groups per token
+    float sums[TOKEN_BLOCK];
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = W.w + n * W.ldw;
+        for (int64_t m = m0; m < m1; m++) sums[m - m0] = 0.0f;
+        for (int64_t e0 = 0; e0 < K; e0 += SEG) {
+            const int64_t len = K - e0 < SEG ? K - e0 : SEG, padded = (len + 16 * gs - 1) / (16 * gs) * 16 * gs;
+            W.unpack(row + e0 / W.in.block * W.in.bytes, len / W.in.block, seg);
+            memset(seg.u + len, 0, padded - len);
+            for (int64_t g = len / gs; g < padded / gs; g++) seg.s[g] = seg.o[g] = 0.0f;
+            for (int64_t m = m0; m < m1; m += MAX_MM) {
+                const int mm = m1 - m < MAX_MM ? (int)(m1 - m) : MAX_MM;
+                Pass p;
+                for (int t = 0; t < mm; t++) {
+                    p.q[t] = a.q.data() + (m + t) * a.Kp + e0;
+                    p.d[t] = a.d(gs) + (m + t) * G + e0 / gs;
+                    p.s[t] = a.s(gs) + (m + t) * G + e0 / gs;
+                }
+                W.dot[mm - 1](seg, padded, p, sums + (m - m0));
+            }
+        }
+        for (int64_t m = m0; m < m1; m++) out[m * ldo + W.col + n] = sums[m - m0];
+    }
+}
+
+}  // namespace
+}  // namespace hsq
+
+extern "C" {
+
+// x: [M, K] contiguous (xdtype 1 bf16, 2 float32); weight i: ws[i] [ns[i], K / block * bytes] of ggml type
+// types[i], rows lds[i] bytes apart; out: [M, sum ns] float32 (row stride ldo), the weights side by side.
+// isa: 2 AVX512-VNNI, 1 AVX2 + FMA + F16C, 0 portable (the caller checks the CPU). Returns 0, or -1 for
+// bad arguments (an unknown type, K not a multiple of a type's block).
+int hs_quant_matmul(int isa, int xdtype, const void *x, int64_t M, int64_t K, int64_t nw, const void *const *ws,
+                    const int64_t *lds, const int64_t *ns, const int *types, float *out, int64_t ldo) {
+    using namespace hsq;
+    if (M < 1 || K < 32 || nw < 1 || nw > 16 || (xdtype != 1 && xdtype != 2) || isa < 0 || isa > 2) return -1;
+    Weight W[16];
+    int64_t col = 0, chunks = 0;
+    for (int64_t i = 0; i < nw; i++) {
+        W[i].w = (const uint8_t *)ws[i];
+        W[i].ldw = lds[i];
+        W[i].n = ns[i];
+        W[i].col = col;
+        if (!info(types[i], W[i].in) || K % W[i].in.block != 0 || ns[i] < 0) return -1;
+        W[i].unpack = unpack_for(types[i], isa);
+        if (W[i].in.group == 16)
+            dots<16, false>(isa, W[i].dot);
+        else if (W[i].in.wide)
+            dots<32, true>(isa, W[i].dot);
+        else
+            dots<32, false>(isa, W[i].dot);
+        col += ns[i];
+        chunks += (ns[i] + CHUNK - 1) / CHUNK;
+    }
+    static thread_local Acts caller;  // the calling thread's buffers (the team's threads have their own)
+    Acts &acts = caller;
+    if (xdtype == 1)
+        quantize((const uint16_t *)x, M, K, isa, acts);
+    else
+        quantize((const float *)x, M, K, isa, acts);
+#pragma omp parallel
+    {
+        Unpacked seg;
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < chunks; c++) {
+            int64_t i = 0, first = c;  // chunk c is the first-th chunk of weight i
+            while (first >= (W[i].n + CHUNK - 1) / CHUNK) first -= (W[i].n + CHUNK - 1) / CHUNK, i++;
+            const int64_t n0 = first * CHUNK, n1 = n0 + CHUNK < W[i].n ? n0 + CHUNK : W[i].n;
+            for (int64_t m0 = 0; m0 < M; m0 += TOKEN_BLOCK)
+                rows(W[i], n0, n1, acts, m0, M - m0 < TOKEN_BLOCK ? M : m0 + TOKEN_BLOCK, K, out, ldo, seg);
+        }
+    }
+    return 0;
+}
+
+}  // extern "C"
