@@ -104,16 +104,22 @@ struct Pass {
 };
 
 // ---- AVX512-VNNI -------------------------------------------------------------------------------------
+// LANES<GS>[v][l]: the group (of the 16 a pass takes) that lane l of vector v holds: elements
+// 64 v + 4 l .. + 3 (32 v + 4 l for AVX2's 8 lanes)
+template <int GS, int W>
+struct Lanes {
+    alignas(64) int32_t at[16 * GS / (4 * W)][W];
+    constexpr Lanes() : at() {
+        for (int v = 0; v < 16 * GS / (4 * W); v++)
+            for (int l = 0; l < W; l++) at[v][l] = (4 * W * v + 4 * l) / GS;
+    }
+};
+template <int GS, int W>
+constexpr Lanes<GS, W> LANES{};
+
 template <int GS, int MM>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 void dot_vnni(const Unpacked &w, int64_t n, const Pass &p, float *sums) {
-    constexpr int P = 16 * GS / 64;  // vectors of 64 elements per 16 groups
-    __m512i idx[P];                  // lane -> its group among the 16 (lane l holds elements 4l .. 4l + 3)
-    for (int v = 0; v < P; v++) {
-        alignas(64) int32_t lanes[16];
-        for (int l = 0; l < 16; l++) lanes[l] = (64 * v + 4 * l) / GS;
-        idx[v] = _mm512_load_si512(lanes);
-    }
     __m512 acc[MM];
     for (int t = 0; t < MM; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t c = 0; c < n; c += 16 * GS) {
@@ -124,12 +130,14 @@ void dot_vnni(const Unpacked &w, int64_t n, const Pass &p, float *sums) {
             scale[t] = _mm512_mul_ps(s, _mm512_loadu_ps(p.d[t] + g));
             acc[t] = _mm512_fmadd_ps(o, _mm512_loadu_ps(p.s[t] + g), acc[t]);
         }
-        for (int v = 0; v < P; v++) {
+        const int vs = n - c >= 16 * GS ? 16 * GS / 64 : (int)((n - c) / 64);  // n: a multiple of 64
+        for (int v = 0; v < vs; v++) {
             const __m512i u = _mm512_load_si512(w.u + c + 64 * v);
+            const __m512i idx = _mm512_load_si512(LANES<GS, 16>.at[v]);
             for (int t = 0; t < MM; t++) {
                 const __m512i q = _mm512_loadu_si512(p.q[t] + c + 64 * v);
                 const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, q);
-                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(idx[v], scale[t]), acc[t]);
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(idx, scale[t]), acc[t]);
             }
         }
     }
@@ -140,13 +148,6 @@ void dot_vnni(const Unpacked &w, int64_t n, const Pass &p, float *sums) {
 template <int GS, bool WIDE, int MM>
 __attribute__((target("avx2,fma")))
 void dot_avx2(const Unpacked &w, int64_t n, const Pass &p, float *sums) {
-    constexpr int P = 8 * GS / 32;  // vectors of 32 elements per 8 groups
-    __m256i idx[P];
-    for (int v = 0; v < P; v++) {
-        alignas(32) int32_t lanes[8];
-        for (int l = 0; l < 8; l++) lanes[l] = (32 * v + 4 * l) / GS;
-        idx[v] = _mm256_load_si256((const __m256i *)lanes);
-    }
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[MM];
     for (int t = 0; t < MM; t++) acc[t] = _mm256_setzero_ps();
@@ -158,8 +159,10 @@ void dot_avx2(const Unpacked &w, int64_t n, const Pass &p, float *sums) {
             scale[t] = _mm256_mul_ps(s, _mm256_loadu_ps(p.d[t] + g));
             acc[t] = _mm256_fmadd_ps(o, _mm256_loadu_ps(p.s[t] + g), acc[t]);
         }
-        for (int v = 0; v < P; v++) {
+        const int vs = n - c >= 8 * GS ? 8 * GS / 32 : (int)((n - c) / 32);
+        for (int v = 0; v < vs; v++) {
             const __m256i u = _mm256_load_si256((const __m256i *)(w.u + c + 32 * v));
+            const __m256i idx = _mm256_load_si256((const __m256i *)LANES<GS, 8>.at[v]);
             for (int t = 0; t < MM; t++) {
                 const __m256i q = _mm256_loadu_si256((const __m256i *)(p.q[t] + c + 32 * v));
                 __m256i dot;
@@ -172,7 +175,7 @@ void dot_avx2(const Unpacked &w, int64_t n, const Pass &p, float *sums) {
                 } else {  // u <= 63: a pair of products stays within int16
                     dot = _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), ones);
                 }
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_permutevar8x32_ps(scale[t], idx[v]), acc[t]);
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_permutevar8x32_ps(scale[t], idx), acc[t]);
             }
         }
     }
@@ -222,10 +225,11 @@ void rows(const Weight &W, int64_t n0, int64_t n1, const Acts &a, int64_t m0, in
         const uint8_t *row = W.w + n * W.ldw;
         for (int64_t m = m0; m < m1; m++) sums[m - m0] = 0.0f;
         for (int64_t e0 = 0; e0 < K; e0 += SEG) {
-            const int64_t len = K - e0 < SEG ? K - e0 : SEG, padded = (len + 16 * gs - 1) / (16 * gs) * 16 * gs;
+            // past len: u to a multiple of 64, s and o to one of 16 groups, zeros
+            const int64_t len = K - e0 < SEG ? K - e0 : SEG, padded = (len + 63) / 64 * 64;
             W.unpack(row + e0 / W.in.block * W.in.bytes, len / W.in.block, seg);
             memset(seg.u + len, 0, padded - len);
-            for (int64_t g = len / gs; g < padded / gs; g++) seg.s[g] = seg.o[g] = 0.0f;
+            for (int64_t g = len / gs; g < (len / gs + 15) / 16 * 16; g++) seg.s[g] = seg.o[g] = 0.0f;
             for (int64_t m = m0; m < m1; m += MAX_MM) {
                 const int mm = m1 - m < MAX_MM ? (int)(m1 - m) : MAX_MM;
                 Pass p;
