@@ -36,6 +36,10 @@ _X_CODES = {torch.bfloat16: 1, torch.float32: 2}
 MAX_WEIGHTS = 16  # weights one call multiplies side by side (kernels/quant_matmul.cpp)
 
 _fn = None  # hs_quant_matmul, once the library is loaded (bind)
+_isa = PORTABLE  # host_isa(), read once by bind (cpu_flags reads /proc/cpuinfo)
+# the call's argument arrays, filled in place: building ctypes arrays per call costs more than the call
+_ptrs, _lds = (ctypes.c_void_p * MAX_WEIGHTS)(), (ctypes.c_int64 * MAX_WEIGHTS)()
+_ns, _types = (ctypes.c_int64 * MAX_WEIGHTS)(), (ctypes.c_int * MAX_WEIGHTS)()
 
 
 def host_isa() -> int:
@@ -50,7 +54,8 @@ def host_isa() -> int:
 def bind() -> bool:
     """Take hs_quant_matmul from the loaded CPU kernels' library (cpu_kernels.load): False where the
     library is not loaded or predates it."""
-    global _fn
+    global _fn, _isa
+    _isa = host_isa()
     lib = cpu_kernels._lib
     fn = getattr(lib, "hs_quant_matmul", None) if lib is not None else None
     if fn is not None:
@@ -80,15 +85,13 @@ def matmul(x: torch.Tensor, weights: list[tuple[torch.Tensor, int]], isa: int | 
                 or w.shape[1] != row_bytes(k, t) or w.device.type != "cpu"):
             return None
     x = x.contiguous()
-    n = sum(w.shape[0] for w, _ in weights)
+    n = 0
+    for i, (w, t) in enumerate(weights):
+        _ptrs[i], _lds[i], _ns[i], _types[i] = w.data_ptr(), w.stride(0), w.shape[0], t
+        n += w.shape[0]
     out = torch.empty(m, n, dtype=torch.float32)
-    count = len(weights)
-    ptrs = (ctypes.c_void_p * count)(*[w.data_ptr() for w, _ in weights])
-    lds = (ctypes.c_int64 * count)(*[w.stride(0) for w, _ in weights])
-    ns = (ctypes.c_int64 * count)(*[w.shape[0] for w, _ in weights])
-    types = (ctypes.c_int * count)(*[t for _, t in weights])
-    rc = _fn(host_isa() if isa is None else isa, _X_CODES[x.dtype], x.data_ptr(), m, k, count, ptrs, lds, ns,
-             types, out.data_ptr(), n)
+    rc = _fn(_isa if isa is None else isa, _X_CODES[x.dtype], x.data_ptr(), m, k, len(weights), _ptrs, _lds,
+             _ns, _types, out.data_ptr(), n)
     return out if rc == 0 else None
 
 
@@ -111,4 +114,4 @@ def install() -> str:
     except ImportError:
         return ""
     quant.set_kernel(kernel)
-    return f"quantized matmul kernels ({ISA_NAMES[host_isa()]})"
+    return f"quantized matmul kernels ({ISA_NAMES[_isa]})"

@@ -52,6 +52,36 @@ struct Unpacked {
 using Unpack = void (*)(const uint8_t *blocks, int64_t nblocks, Unpacked &seg);
 Unpack unpack_for(int type, int isa);  // quant_unpack.cpp; null for an unknown type
 
+// AVX512-VNNI, in registers (quant_vnni.cpp): sums[t] += row . x_t for MM <= 4 tokens t; q[t]: token t's
+// int8 activations, da[t] / sa[t]: its groups' d_a and d_a * sum(q) (groups of the type's size), from
+// the row's start, all zero-padded to a multiple of 512 elements
+using RowVnni = void (*)(int mm, const uint8_t *row, int64_t K, const int8_t *const *q, const float *const *da,
+                         const float *const *sa, float *sums);
+RowVnni row_vnni_for(int type);  // null for an unknown type
+
+// steps of 2+ tokens on AVX512-VNNI (quant_tiles.cpp): rows unpacked and transposed once each into u (K
+// bytes padded to whole chunks of 16 groups) and s, o (16 per chunk), then TILE_R rows x TILE_MM tokens
+// per dot_t call over activations laid out alike (lane L of a chunk's vector j: dword j of group
+// gamma(L)); sums[r * ldsum + t] += row r . token t
+constexpr int TILE_R = 4, TILE_MM = 2;
+using UnpackT = void (*)(const uint8_t *row, int64_t K, uint8_t *u, float *s, float *o);
+struct Tile {
+    const uint8_t *u;  // rows' transposed codes, rs bytes apart
+    int64_t rs;
+    const float *s, *o;  // their scales and offsets, ss floats apart
+    int64_t ss, groups;  // groups per row
+    const int8_t *qt[TILE_MM], *qn[TILE_MM];  // tokens' activations transposed, and in x's order (the tail)
+    const float *dt[TILE_MM], *st[TILE_MM], *dn[TILE_MM], *sn[TILE_MM];  // d_a and d_a * sum(q), likewise
+    float *sums;  // sums[r * ldsum + t] += row r . token t
+    int64_t ldsum;
+};
+using DotT = void (*)(int rows, int mm, const Tile &a);
+UnpackT unpack_t_for(int type);  // null for an unknown type
+DotT dot_t_for(int gs);
+void transpose_acts(int gs, int64_t M, int64_t Kp, const int8_t *q, const float *d, const float *s, int8_t *qt,
+                    float *dt, float *st);
+inline int gamma_of(int gs, int lane) { return gs == 32 ? 2 * (lane & 7) + (lane >> 3) : 4 * (lane & 3) + (lane >> 2); }
+
 inline float fp16_to_f32(uint16_t h) {  // IEEE half -> float, exactly (subnormals, inf, NaN)
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
     uint32_t u;

@@ -32,6 +32,9 @@ struct Acts {          // x quantized; K padded with zeros to Kp (a multiple of 
     std::vector<int8_t> q;            // [M, Kp]
     std::vector<float> d16, s16;      // [M, Kp / 16]: d_a of each group of 16, d_a * sum(q) over it
     std::vector<float> d32, s32;      // [M, Kp / 32]: the same per group of 32
+    // steps of 2+ tokens on AVX512-VNNI (quant_tiles.cpp): the same, each 16-group chunk transposed
+    std::vector<int8_t> qt16, qt32;
+    std::vector<float> dt16, st16, dt32, st32;
     const float *d(int gs) const { return gs == 16 ? d16.data() : d32.data(); }
     const float *s(int gs) const { return gs == 16 ? s16.data() : s32.data(); }
 };
@@ -69,15 +72,19 @@ void quantize_block_512(const T *x, int8_t *q, float &d, int &sum0, int &sum1) {
     sum1 = _mm512_reduce_add_epi32(qb);
 }
 
+// x -> a; with TILES (bit 0: groups of 16, bit 1: of 32), the transposed layouts too
 template <typename T>
-void quantize(const T *x, int64_t M, int64_t K, int isa, Acts &a) {
+void quantize(const T *x, int64_t M, int64_t K, int isa, int tiles, Acts &a) {
     a.M = M;
     a.Kp = (K + 511) / 512 * 512;
-    a.q.assign(M * a.Kp, 0);
-    a.d16.assign(M * a.Kp / 16, 0.0f);
-    a.s16.assign(M * a.Kp / 16, 0.0f);
-    a.d32.assign(M * a.Kp / 32, 0.0f);
-    a.s32.assign(M * a.Kp / 32, 0.0f);
+    a.q.resize(M * a.Kp);
+    for (auto *v : {&a.d16, &a.s16}) v->resize(M * a.Kp / 16);
+    for (auto *v : {&a.d32, &a.s32}) v->resize(M * a.Kp / 32);
+    for (int64_t m = 0; m < M && K < a.Kp; m++) {  // the padding: zeros
+        memset(a.q.data() + m * a.Kp + K, 0, a.Kp - K);
+        for (int64_t g = K / 16; g < a.Kp / 16; g++) a.d16[m * a.Kp / 16 + g] = a.s16[m * a.Kp / 16 + g] = 0.0f;
+        for (int64_t g = K / 32; g < a.Kp / 32; g++) a.d32[m * a.Kp / 32 + g] = a.s32[m * a.Kp / 32 + g] = 0.0f;
+    }
 #pragma omp parallel for schedule(static) if (M * K >= 65536)
     for (int64_t m = 0; m < M; m++) {
         for (int64_t b = 0; b < K / 32; b++) {
@@ -94,6 +101,15 @@ void quantize(const T *x, int64_t M, int64_t K, int isa, Acts &a) {
             a.s16[g16 + 1] = d * (float)s1;
             a.s32[g32] = d * (float)(s0 + s1);
         }
+    }
+    for (int gs : {16, 32}) {
+        if (!(tiles & (gs == 16 ? 1 : 2))) continue;
+        std::vector<int8_t> &qt = gs == 16 ? a.qt16 : a.qt32;
+        std::vector<float> &dt = gs == 16 ? a.dt16 : a.dt32, &st = gs == 16 ? a.st16 : a.st32;
+        qt.resize(M * a.Kp);
+        dt.resize(M * a.Kp / gs);
+        st.resize(M * a.Kp / gs);
+        transpose_acts(gs, M, a.Kp, a.q.data(), a.d(gs), a.s(gs), qt.data(), dt.data(), st.data());
     }
 }
 
@@ -213,18 +229,69 @@ struct Weight {
     Info in;
     Unpack unpack;
     Dot dot[MAX_MM];
+    RowVnni vnni;  // AVX512-VNNI: the row in registers instead of unpack + dot (1 token)
+    UnpackT unpack_t;  // and for 2+ tokens, transposed once (quant_tiles.cpp)
+    DotT dot_t;
+};
+
+struct Scratch {  // a thread's: one segment for unpack + dot, one transposed row for the tiles
+    Unpacked seg;
+    std::vector<uint8_t> u;
+    std::vector<float> s, o;
 };
 
 // rows n0 .. n1 of weight W times tokens m0 .. m1: out[m, col + n]
 void rows(const Weight &W, int64_t n0, int64_t n1, const Acts &a, int64_t m0, int64_t m1, int64_t K, float *out,
-          int64_t ldo, Unpacked &seg) {
+          int64_t ldo, Scratch &scratch) {
+    Unpacked &seg = scratch.seg;
     const int gs = W.in.group;
     const int64_t G = a.Kp / gs;  // groups per token
-    float sums[TOKEN_BLOCK];
+    float sums[TILE_R][TOKEN_BLOCK];
+    if (W.vnni && m1 - m0 >= 2) {  // TILE_R rows at a time, each transposed once (quant_tiles.cpp)
+        Tile tile;
+        tile.u = scratch.u.data(), tile.s = scratch.s.data(), tile.o = scratch.o.data();
+        tile.rs = a.Kp, tile.ss = a.Kp / 16, tile.groups = K / gs, tile.ldsum = TOKEN_BLOCK;
+        const int8_t *qt = (gs == 16 ? a.qt16 : a.qt32).data();
+        const float *dt = (gs == 16 ? a.dt16 : a.dt32).data(), *st = (gs == 16 ? a.st16 : a.st32).data();
+        for (int64_t r0 = n0; r0 < n1; r0 += TILE_R) {
+            const int nr = n1 - r0 < TILE_R ? (int)(n1 - r0) : TILE_R;
+            for (int r = 0; r < nr; r++) {
+                W.unpack_t(W.w + (r0 + r) * W.ldw, K, scratch.u.data() + r * tile.rs,
+                           scratch.s.data() + r * tile.ss, scratch.o.data() + r * tile.ss);
+                for (int64_t m = m0; m < m1; m++) sums[r][m - m0] = 0.0f;
+            }
+            for (int64_t m = m0; m < m1; m += TILE_MM) {
+                const int mm = m1 - m < TILE_MM ? (int)(m1 - m) : TILE_MM;
+                for (int t = 0; t < mm; t++) {
+                    tile.qt[t] = qt + (m + t) * a.Kp;
+                    tile.qn[t] = a.q.data() + (m + t) * a.Kp;
+                    tile.dt[t] = dt + (m + t) * G;
+                    tile.st[t] = st + (m + t) * G;
+                    tile.dn[t] = a.d(gs) + (m + t) * G;
+                    tile.sn[t] = a.s(gs) + (m + t) * G;
+                }
+                tile.sums = &sums[0][m - m0];
+                W.dot_t(nr, mm, tile);
+            }
+            for (int r = 0; r < nr; r++)
+                for (int64_t m = m0; m < m1; m++) out[m * ldo + W.col + r0 + r] = sums[r][m - m0];
+        }
+        return;
+    }
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = W.w + n * W.ldw;
-        for (int64_t m = m0; m < m1; m++) sums[m - m0] = 0.0f;
-        for (int64_t e0 = 0; e0 < K; e0 += SEG) {
+        for (int64_t m = m0; m < m1; m++) sums[0][m - m0] = 0.0f;
+        for (int64_t m = m0; W.vnni && m1 - m0 == 1 && m < m1; m += MAX_MM) {
+            const int mm = m1 - m < MAX_MM ? (int)(m1 - m) : MAX_MM;
+            Pass p;
+            for (int t = 0; t < mm; t++) {
+                p.q[t] = a.q.data() + (m + t) * a.Kp;
+                p.d[t] = a.d(gs) + (m + t) * G;
+                p.s[t] = a.s(gs) + (m + t) * G;
+            }
+            W.vnni(mm, row, K, p.q, p.d, p.s, &sums[0][m - m0]);
+        }
+        for (int64_t e0 = 0; !W.vnni && e0 < K; e0 += SEG) {
             // past len: u to a multiple of 64, s and o to one of 16 groups, zeros
             const int64_t len = K - e0 < SEG ? K - e0 : SEG, padded = (len + 63) / 64 * 64;
             W.unpack(row + e0 / W.in.block * W.in.bytes, len / W.in.block, seg);
@@ -238,10 +305,10 @@ void rows(const Weight &W, int64_t n0, int64_t n1, const Acts &a, int64_t m0, in
                     p.d[t] = a.d(gs) + (m + t) * G + e0 / gs;
                     p.s[t] = a.s(gs) + (m + t) * G + e0 / gs;
                 }
-                W.dot[mm - 1](seg, padded, p, sums + (m - m0));
+                W.dot[mm - 1](seg, padded, p, &sums[0][m - m0]);
             }
         }
-        for (int64_t m = m0; m < m1; m++) out[m * ldo + W.col + n] = sums[m - m0];
+        for (int64_t m = m0; m < m1; m++) out[m * ldo + W.col + n] = sums[0][m - m0];
     }
 }
 
@@ -260,6 +327,7 @@ int hs_quant_matmul(int isa, int xdtype, const void *x, int64_t M, int64_t K, in
     if (M < 1 || K < 32 || nw < 1 || nw > 16 || (xdtype != 1 && xdtype != 2) || isa < 0 || isa > 2) return -1;
     Weight W[16];
     int64_t col = 0, chunks = 0;
+    int tiles = 0;  // the transposed layouts of x the weights need (2+ tokens, AVX512-VNNI)
     for (int64_t i = 0; i < nw; i++) {
         W[i].w = (const uint8_t *)ws[i];
         W[i].ldw = lds[i];
@@ -267,31 +335,40 @@ int hs_quant_matmul(int isa, int xdtype, const void *x, int64_t M, int64_t K, in
         W[i].col = col;
         if (!info(types[i], W[i].in) || K % W[i].in.block != 0 || ns[i] < 0) return -1;
         W[i].unpack = unpack_for(types[i], isa);
+        W[i].vnni = isa == AVX512_VNNI ? row_vnni_for(types[i]) : nullptr;
+        W[i].unpack_t = isa == AVX512_VNNI ? unpack_t_for(types[i]) : nullptr;
+        W[i].dot_t = dot_t_for(W[i].in.group);
         if (W[i].in.group == 16)
             dots<16, false>(isa, W[i].dot);
         else if (W[i].in.wide)
             dots<32, true>(isa, W[i].dot);
         else
             dots<32, false>(isa, W[i].dot);
+        if (isa == AVX512_VNNI && M >= 2) tiles |= W[i].in.group == 16 ? 1 : 2;
         col += ns[i];
         chunks += (ns[i] + CHUNK - 1) / CHUNK;
     }
     static thread_local Acts caller;  // the calling thread's buffers (the team's threads have their own)
     Acts &acts = caller;
     if (xdtype == 1)
-        quantize((const uint16_t *)x, M, K, isa, acts);
+        quantize((const uint16_t *)x, M, K, isa, tiles, acts);
     else
-        quantize((const float *)x, M, K, isa, acts);
+        quantize((const float *)x, M, K, isa, tiles, acts);
 #pragma omp parallel
     {
-        Unpacked seg;
+        Scratch scratch;
+        if (isa == AVX512_VNNI && M >= 2) {
+            scratch.u.resize(TILE_R * acts.Kp);
+            scratch.s.resize(TILE_R * acts.Kp / 16);
+            scratch.o.resize(TILE_R * acts.Kp / 16);
+        }
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < chunks; c++) {
             int64_t i = 0, first = c;  // chunk c is the first-th chunk of weight i
             while (first >= (W[i].n + CHUNK - 1) / CHUNK) first -= (W[i].n + CHUNK - 1) / CHUNK, i++;
             const int64_t n0 = first * CHUNK, n1 = n0 + CHUNK < W[i].n ? n0 + CHUNK : W[i].n;
             for (int64_t m0 = 0; m0 < M; m0 += TOKEN_BLOCK)
-                rows(W[i], n0, n1, acts, m0, M - m0 < TOKEN_BLOCK ? M : m0 + TOKEN_BLOCK, K, out, ldo, seg);
+                rows(W[i], n0, n1, acts, m0, M - m0 < TOKEN_BLOCK ? M : m0 + TOKEN_BLOCK, K, out, ldo, scratch);
         }
     }
     return 0;
