@@ -104,10 +104,16 @@ def kernel(x: torch.Tensor, w: torch.Tensor, ggml_type: int) -> torch.Tensor | N
     return matmul(x, [(w, ggml_type)])
 
 
+def quantized(model: torch.nn.Module) -> bool:
+    """Whether MODEL holds weights as ggml blocks of a type these kernels take (model/quant.py's modules)."""
+    return any(getattr(m, "ggml_type", None) in BLOCKS for m in model.modules())
+
+
 def install() -> str:
     """Register `kernel` with model/quant.py's hook (the library loaded: cpu_kernels.load) -> what now runs,
-    for the packing stage's detail; "" where nothing was registered."""
-    if not bind():
+    for the packing stage's detail; "" where nothing was registered (HOTSTART_QUANT_KERNEL=off, a library
+    without them, no hook)."""
+    if cpu_kernels.switched_off("HOTSTART_QUANT_KERNEL") or not bind():
         return ""
     try:
         from hotstart.model import quant  # noqa: PLC0415 - only quantized models have it to register with

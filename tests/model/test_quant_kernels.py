@@ -106,3 +106,20 @@ def test_what_the_kernels_do_not_take_returns_none():
     assert qk.kernel(torch.randn(2, 96), w, TYPES["Q4_0"]) is None
     assert qk.kernel(x.to(torch.int32), w, TYPES["Q4_0"]) is None
     assert qk.kernel(x, w.t(), TYPES["Q4_0"]) is None
+
+
+def test_install_registers_with_the_quant_hook():
+    """The fast path's install step (engine/fastpath/pack.py install_kernels) registers `kernel` with
+    model/quant.py's set_kernel where the model holds ggml blocks; quant.matmul then returns the kernel's
+    product (equal to a direct call), and set_kernel(None) puts the reference path back."""
+    quant = pytest.importorskip("hotstart.model.quant", reason="model/quant.py (the GGUF loader's) not here")
+    holder = torch.nn.Module()
+    holder.ggml_type = TYPES["Q4_1"]
+    assert qk.quantized(holder) and not qk.quantized(torch.nn.Linear(2, 2))
+    w = torch.from_numpy(random_weight("Q4_1", 9, 96, np.random.default_rng(3)))
+    x = torch.randn(2, 96)
+    try:
+        assert qk.install().startswith("quantized matmul kernels")
+        assert torch.equal(quant.matmul(x, w, TYPES["Q4_1"]), qk.kernel(x, w, TYPES["Q4_1"]))
+    finally:
+        quant.set_kernel(None)
