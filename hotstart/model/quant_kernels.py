@@ -30,8 +30,9 @@ BLOCKS = {8: (32, 34), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 12: (
 NAMES = {8: "Q8_0", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 PORTABLE, AVX2, AVX512_VNNI = 0, 1, 2  # kernels/quant.h's Isa
 ISA_NAMES = {PORTABLE: "portable C++", AVX2: "AVX2", AVX512_VNNI: "AVX512-VNNI"}
-_ISA_NEEDS = {AVX512_VNNI: ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma", "f16c"),
-              AVX2: ("avx2", "fma", "f16c")}
+_AVX2_NEEDS = ("avx2", "fma", "f16c")
+_AVX512_NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512vbmi", *_AVX2_NEEDS)
+_ISA_NEEDS = {AVX512_VNNI: _AVX512_NEEDS, AVX2: _AVX2_NEEDS}
 _X_CODES = {torch.bfloat16: 1, torch.float32: 2}
 MAX_WEIGHTS = 16  # weights one call multiplies side by side (kernels/quant_matmul.cpp)
 

@@ -52,12 +52,13 @@ struct Unpacked {
 using Unpack = void (*)(const uint8_t *blocks, int64_t nblocks, Unpacked &seg);
 Unpack unpack_for(int type, int isa);  // quant_unpack.cpp; null for an unknown type
 
-// AVX512-VNNI, in registers (quant_vnni.cpp): sums[t] += row . x_t for MM <= 4 tokens t; q[t]: token t's
-// int8 activations, da[t] / sa[t]: its groups' d_a and d_a * sum(q) (groups of the type's size), from
-// the row's start, all zero-padded to a multiple of 512 elements
-using RowVnni = void (*)(int mm, const uint8_t *row, int64_t K, const int8_t *const *q, const float *const *da,
-                         const float *const *sa, float *sums);
+// AVX512-VNNI, in registers (quant_vnni.cpp): row . x for one token; q: its int8 activations (Q4_0,
+// Q4_1, Q5_0, Q5_1: in nibble order, below), da / sa: its groups' d_a and d_a * sum(q) (groups of the
+// type's size), all zero-padded to a multiple of 512 elements
+using RowVnni = float (*)(const uint8_t *row, int64_t K, const int8_t *q, const float *da, const float *sa);
 RowVnni row_vnni_for(int type);  // null for an unknown type
+// nibble order: per 4 blocks of 32, elements 0-15 of each block, then elements 16-31 of each
+inline bool nibble_order(int type) { return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1; }
 
 // steps of 2+ tokens on AVX512-VNNI (quant_tiles.cpp): rows unpacked and transposed once each into u (K
 // bytes padded to whole chunks of 16 groups) and s, o (16 per chunk), then TILE_R rows x TILE_MM tokens

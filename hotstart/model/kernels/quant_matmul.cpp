@@ -34,6 +34,7 @@ struct Acts {          // x quantized; K padded with zeros to Kp (a multiple of 
     std::vector<float> d32, s32;      // [M, Kp / 32]: the same per group of 32
     // steps of 2+ tokens on AVX512-VNNI (quant_tiles.cpp): the same, each 16-group chunk transposed
     std::vector<int8_t> qt16, qt32;
+    std::vector<int8_t> qn;  // [M, Kp] in nibble order (quant.h), for 1-token rows of the 4- and 5-bit types
     std::vector<float> dt16, st16, dt32, st32;
     const float *d(int gs) const { return gs == 16 ? d16.data() : d32.data(); }
     const float *s(int gs) const { return gs == 16 ? s16.data() : s32.data(); }
@@ -72,7 +73,7 @@ void quantize_block_512(const T *x, int8_t *q, float &d, int &sum0, int &sum1) {
     sum1 = _mm512_reduce_add_epi32(qb);
 }
 
-// x -> a; with TILES (bit 0: groups of 16, bit 1: of 32), the transposed layouts too
+// x -> a; with TILES (bit 0: groups of 16, bit 1: of 32), the transposed layouts too; bit 2: nibble order
 template <typename T>
 void quantize(const T *x, int64_t M, int64_t K, int isa, int tiles, Acts &a) {
     a.M = M;
@@ -102,6 +103,13 @@ void quantize(const T *x, int64_t M, int64_t K, int isa, int tiles, Acts &a) {
             a.s32[g32] = d * (float)(s0 + s1);
         }
     }
+    if (tiles & 4) {
+        a.qn.resize(M * a.Kp);
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t b = 0; b < a.Kp / 32; b++)  // block b's halves to 16 (b % 4) of its 4-block set
+                for (int h = 0; h < 2; h++)
+                    memcpy(&a.qn[m * a.Kp + (b / 4) * 128 + 64 * h + 16 * (b % 4)], &a.q[m * a.Kp + 32 * b + 16 * h], 16);
+    }
     for (int gs : {16, 32}) {
         if (!(tiles & (gs == 16 ? 1 : 2))) continue;
         std::vector<int8_t> &qt = gs == 16 ? a.qt16 : a.qt32;
@@ -120,45 +128,18 @@ struct Pass {
 };
 
 // ---- AVX512-VNNI -------------------------------------------------------------------------------------
-// LANES<GS>[v][l]: the group (of the 16 a pass takes) that lane l of vector v holds: elements
-// 64 v + 4 l .. + 3 (32 v + 4 l for AVX2's 8 lanes)
-template <int GS, int W>
+// LANES<GS>.at[v][l]: the group (of the 8 a pass takes) that lane l of vector v holds: elements
+// 32 v + 4 l .. + 3
+template <int GS>
 struct Lanes {
-    alignas(64) int32_t at[16 * GS / (4 * W)][W];
+    alignas(32) int32_t at[8 * GS / 32][8];
     constexpr Lanes() : at() {
-        for (int v = 0; v < 16 * GS / (4 * W); v++)
-            for (int l = 0; l < W; l++) at[v][l] = (4 * W * v + 4 * l) / GS;
+        for (int v = 0; v < 8 * GS / 32; v++)
+            for (int l = 0; l < 8; l++) at[v][l] = (32 * v + 4 * l) / GS;
     }
 };
-template <int GS, int W>
-constexpr Lanes<GS, W> LANES{};
-
-template <int GS, int MM>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
-void dot_vnni(const Unpacked &w, int64_t n, const Pass &p, float *sums) {
-    __m512 acc[MM];
-    for (int t = 0; t < MM; t++) acc[t] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < n; c += 16 * GS) {
-        const int64_t g = c / GS;
-        const __m512 s = _mm512_load_ps(w.s + g), o = _mm512_load_ps(w.o + g);
-        __m512 scale[MM];
-        for (int t = 0; t < MM; t++) {
-            scale[t] = _mm512_mul_ps(s, _mm512_loadu_ps(p.d[t] + g));
-            acc[t] = _mm512_fmadd_ps(o, _mm512_loadu_ps(p.s[t] + g), acc[t]);
-        }
-        const int vs = n - c >= 16 * GS ? 16 * GS / 64 : (int)((n - c) / 64);  // n: a multiple of 64
-        for (int v = 0; v < vs; v++) {
-            const __m512i u = _mm512_load_si512(w.u + c + 64 * v);
-            const __m512i idx = _mm512_load_si512(LANES<GS, 16>.at[v]);
-            for (int t = 0; t < MM; t++) {
-                const __m512i q = _mm512_loadu_si512(p.q[t] + c + 64 * v);
-                const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, q);
-                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(idx, scale[t]), acc[t]);
-            }
-        }
-    }
-    for (int t = 0; t < MM; t++) sums[t] += _mm512_reduce_add_ps(acc[t]);
-}
+template <int GS>
+constexpr Lanes<GS> LANES{};
 
 // ---- AVX2 ----------------------------------------------------------------------------------------------
 template <int GS, bool WIDE, int MM>
@@ -178,7 +159,7 @@ void dot_avx2(const Unpacked &w, int64_t n, const Pass &p, float *sums) {
         const int vs = n - c >= 8 * GS ? 8 * GS / 32 : (int)((n - c) / 32);
         for (int v = 0; v < vs; v++) {
             const __m256i u = _mm256_load_si256((const __m256i *)(w.u + c + 32 * v));
-            const __m256i idx = _mm256_load_si256((const __m256i *)LANES<GS, 8>.at[v]);
+            const __m256i idx = _mm256_load_si256((const __m256i *)LANES<GS>.at[v]);
             for (int t = 0; t < MM; t++) {
                 const __m256i q = _mm256_loadu_si256((const __m256i *)(p.q[t] + c + 32 * v));
                 __m256i dot;
@@ -216,11 +197,10 @@ using Dot = void (*)(const Unpacked &, int64_t, const Pass &, float *);
 
 template <int GS, bool WIDE>
 void dots(int isa, Dot *out) {  // the kernels of 1 .. MAX_MM tokens for this host
-    const Dot vnni[MAX_MM] = {dot_vnni<GS, 1>, dot_vnni<GS, 2>, dot_vnni<GS, 3>, dot_vnni<GS, 4>};
     const Dot avx2[MAX_MM] = {dot_avx2<GS, WIDE, 1>, dot_avx2<GS, WIDE, 2>, dot_avx2<GS, WIDE, 3>,
                               dot_avx2<GS, WIDE, 4>};
     const Dot ref[MAX_MM] = {dot_ref<GS, 1>, dot_ref<GS, 2>, dot_ref<GS, 3>, dot_ref<GS, 4>};
-    for (int i = 0; i < MAX_MM; i++) out[i] = isa == AVX512_VNNI ? vnni[i] : isa == AVX2 ? avx2[i] : ref[i];
+    for (int i = 0; i < MAX_MM; i++) out[i] = isa == AVX2 ? avx2[i] : ref[i];  // AVX512-VNNI: quant_vnni.cpp
 }
 
 struct Weight {
@@ -230,6 +210,7 @@ struct Weight {
     Unpack unpack;
     Dot dot[MAX_MM];
     RowVnni vnni;  // AVX512-VNNI: the row in registers instead of unpack + dot (1 token)
+    bool nibbles;  // vnni takes x in nibble order (quant.h)
     UnpackT unpack_t;  // and for 2+ tokens, transposed once (quant_tiles.cpp)
     DotT dot_t;
 };
@@ -281,16 +262,9 @@ void rows(const Weight &W, int64_t n0, int64_t n1, const Acts &a, int64_t m0, in
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = W.w + n * W.ldw;
         for (int64_t m = m0; m < m1; m++) sums[0][m - m0] = 0.0f;
-        for (int64_t m = m0; W.vnni && m1 - m0 == 1 && m < m1; m += MAX_MM) {
-            const int mm = m1 - m < MAX_MM ? (int)(m1 - m) : MAX_MM;
-            Pass p;
-            for (int t = 0; t < mm; t++) {
-                p.q[t] = a.q.data() + (m + t) * a.Kp;
-                p.d[t] = a.d(gs) + (m + t) * G;
-                p.s[t] = a.s(gs) + (m + t) * G;
-            }
-            W.vnni(mm, row, K, p.q, p.d, p.s, &sums[0][m - m0]);
-        }
+        if (W.vnni)  // one token (steps of 2+ took the tiles above)
+            sums[0][0] = W.vnni(row, K, (W.nibbles ? a.qn : a.q).data() + m0 * a.Kp, a.d(gs) + m0 * G,
+                                a.s(gs) + m0 * G);
         for (int64_t e0 = 0; !W.vnni && e0 < K; e0 += SEG) {
             // past len: u to a multiple of 64, s and o to one of 16 groups, zeros
             const int64_t len = K - e0 < SEG ? K - e0 : SEG, padded = (len + 63) / 64 * 64;
@@ -336,6 +310,8 @@ int hs_quant_matmul(int isa, int xdtype, const void *x, int64_t M, int64_t K, in
         if (!info(types[i], W[i].in) || K % W[i].in.block != 0 || ns[i] < 0) return -1;
         W[i].unpack = unpack_for(types[i], isa);
         W[i].vnni = isa == AVX512_VNNI ? row_vnni_for(types[i]) : nullptr;
+        W[i].nibbles = nibble_order(types[i]);
+        if (W[i].vnni && W[i].nibbles && M % TOKEN_BLOCK == 1) tiles |= 4;  // a 1-token pass needs x so
         W[i].unpack_t = isa == AVX512_VNNI ? unpack_t_for(types[i]) : nullptr;
         W[i].dot_t = dot_t_for(W[i].in.group);
         if (W[i].in.group == 16)

@@ -8,7 +8,7 @@
 
 namespace hsq {
 
-#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,f16c")))
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx512vbmi,f16c")))
 
 VNNI inline __m512 halves(__m512i v) {  // the low fp16 of each 32-bit lane -> float32
     return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v));
