@@ -126,13 +126,11 @@ VNNI void dot_t(const Tile &a) {
 }
 
 template <int GS, int R>
-void dots_r(int mm, const Tile &a) {
-    switch (mm) {
-        case 1: dot_t<GS, R, 1>(a); break;
-        case 2: dot_t<GS, R, 2>(a); break;
-        case 3: dot_t<GS, R, 3>(a); break;
-        default: dot_t<GS, R, 4>(a); break;
-    }
+void dots_r(int mm, const Tile &a) {  // mm: 1 .. TILE_MM (2)
+    if (mm == 1)
+        dot_t<GS, R, 1>(a);
+    else
+        dot_t<GS, R, TILE_MM>(a);
 }
 
 template <int GS>
