@@ -41,11 +41,11 @@ VNNI float row(const uint8_t *r, int64_t K, const int8_t *q, const float *da, co
             const __m512i u = codes<T>(r, c, v, GS == 32 && 2 * v + 1 >= valid);
             const __m512i idx = _mm512_load_si512(GS == 32 ? LANE32[v] : LANE16[v]);
             const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(q + c * 16 * GS + 64 * v));
-            const __m512 y = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(idx, scale));
+            const __m512 y = _mm512_cvtepi32_ps(dot), sv = _mm512_permutexvar_ps(idx, scale);
             if (v & 1)
-                acc2 = _mm512_add_ps(acc2, y);
+                acc2 = _mm512_fmadd_ps(y, sv, acc2);
             else
-                acc = _mm512_add_ps(acc, y);
+                acc = _mm512_fmadd_ps(y, sv, acc);
         }
     }
     return _mm512_reduce_add_ps(_mm512_add_ps(acc, acc2));
@@ -95,11 +95,11 @@ VNNI float row_nibbles(const uint8_t *r, int64_t K, const int8_t *q, const float
             __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(x));
             dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512(x + 64));
             const __m512i lane = _mm512_add_epi32(_mm512_set1_epi32(4 * k), _mm512_load_si512(LANE16[0]));
-            const __m512 y = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(lane, scale));
+            const __m512 y = _mm512_cvtepi32_ps(dot), sv = _mm512_permutexvar_ps(lane, scale);
             if (k & 1)
-                acc2 = _mm512_add_ps(acc2, y);
+                acc2 = _mm512_fmadd_ps(y, sv, acc2);
             else
-                acc = _mm512_add_ps(acc, y);
+                acc = _mm512_fmadd_ps(y, sv, acc);
         }
     }
     return _mm512_reduce_add_ps(_mm512_add_ps(acc, acc2));
