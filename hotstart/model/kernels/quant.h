@@ -10,6 +10,8 @@
 
 #pragma once
 
+#include <vector>
+
 #include "common.h"
 
 namespace hsq {
@@ -82,6 +84,24 @@ DotT dot_t_for(int gs);
 void transpose_acts(int gs, int64_t M, int64_t Kp, const int8_t *q, const float *d, const float *s, int8_t *qt,
                     float *dt, float *st);
 inline int gamma_of(int gs, int lane) { return gs == 32 ? 2 * (lane & 7) + (lane >> 3) : 4 * (lane & 3) + (lane >> 2); }
+
+// x quantized (quant_acts.cpp); K padded with zeros to Kp (a multiple of 512)
+struct Acts {
+    int64_t M, Kp;
+    std::vector<int8_t> q;            // [M, Kp]
+    std::vector<float> d16, s16;      // [M, Kp / 16]: d_a of each group of 16, d_a * sum(q) over it
+    std::vector<float> d32, s32;      // [M, Kp / 32]: the same per group of 32
+    // steps of 2+ tokens on AVX512-VNNI (quant_tiles.cpp): the same, each 16-group chunk transposed
+    std::vector<int8_t> qt16, qt32;
+    std::vector<int8_t> qn;  // [M, Kp] in nibble order (above), for 1-token rows of the 4- and 5-bit types
+    std::vector<float> dt16, st16, dt32, st32;
+    const float *d(int gs) const { return gs == 16 ? d16.data() : d32.data(); }
+    const float *s(int gs) const { return gs == 16 ? s16.data() : s32.data(); }
+};
+
+// x [M, K] (xdtype 1 bf16, 2 float32) -> a; TILES bit 0 / 1: the transposed layouts of groups of 16 / 32,
+// bit 2: nibble order
+void quantize_acts(const void *x, int xdtype, int64_t M, int64_t K, int isa, int tiles, Acts &a);
 
 inline float fp16_to_f32(uint16_t h) {  // IEEE half -> float, exactly (subnormals, inf, NaN)
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
