@@ -4,7 +4,7 @@ step bench (bench/engine_setup.py)."""
 
 from __future__ import annotations
 
-from hotstart.model import cpu_kernels, layer_ops, onednn
+from hotstart.model import cpu_kernels, layer_ops, onednn, quant_kernels
 from hotstart.model.decoder import CausalLM
 from hotstart.model.layers import Linear, PackedGroup
 
@@ -69,7 +69,8 @@ def attach_gemv(model: CausalLM, tiles: bool = False) -> int:
         if isinstance(m, Linear) and id(m) not in in_groups and m.weight.stride(-1) == 1:
             m.gemv = cpu_kernels.Segments([m.weight], [m.bias], tiles)
             calls += 1
-    if model.output_weight().stride(-1) == 1:
+    head = model.output_weight()
+    if head.stride(-1) == 1 and head.is_floating_point():  # a GGUF's quantized head: quant_kernels
         model.lm_head_gemv = cpu_kernels.Segments([model.output_weight()], [None], tiles)
         calls += 1
     return calls
@@ -83,6 +84,8 @@ def install_kernels(model: CausalLM, path, whys: tuple[str, str, str], copies: b
     gemv_why, attention_why, ops_why = whys
     cpu_kernels.load(path)
     notes = []
+    if quant_kernels.quantized(model):  # the library's quantized matmul, through model/quant.py's hook
+        notes.append(quant_kernels.install() or "no quantized matmul kernels (the reference path serves)")
     if not gemv_why:
         weight = model.output_weight()
         tiles = copies and cpu_kernels.tiles_supported(weight.dtype, weight.device)

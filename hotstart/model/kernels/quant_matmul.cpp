@@ -1,0 +1,254 @@
+// Linear layers over ggml's quantized blocks (quant.h): out[m, n] = sum_k x[m, k] w[n, k], float32 out.
+//
+// x is quantized once per call (quant_acts.cpp). Each thread then takes chunks of rows, one sequential
+// stream of blocks per thread, and per block of TOKEN_BLOCK tokens:
+//   AVX512-VNNI: one token, a row at a time in registers (quant_vnni.cpp); 2+ tokens, rows transposed
+//     once, 4 rows x 2 tokens per register tile (quant_tiles.cpp);
+//   AVX2 and portable: a segment of a row unpacked into quant.h's one form (in L1), then multiplied with
+//     up to 4 tokens per pass (their accumulators in registers). AVX2: vpmaddubsw + vpmaddwd, 32
+//     elements per vector (Q8_0's u up to 255 would saturate vpmaddubsw's int16 pairs: widened to int16
+//     and vpmaddwd instead); portable: the same integer sums in scalar code (the reference the SIMD
+//     paths are tested against). Lanes 4l .. 4l + 3 of a vector sum to lane l: each lane is scaled by
+//     its group's s_g d_a(g) (a permute of 8 groups' scales); the offsets' term sum_g o_g d_a(g)
+//     sum(q_g) is a dot product of 8 groups at a time.
+
+#include <omp.h>
+
+#include <vector>
+
+#include "quant.h"
+
+namespace hsq {
+namespace {
+
+constexpr int64_t CHUNK = 16;        // rows per unit of parallel work
+constexpr int64_t TOKEN_BLOCK = 64;  // tokens per pass over a chunk's weights (their int8 rows in L2)
+constexpr int MAX_MM = 4;            // tokens per pass over a segment (accumulators in registers)
+
+// the tokens of one pass: int8 rows, their groups' d_a and d_a * sum(q), at the segment's start
+struct Pass {
+    const int8_t *q[MAX_MM];
+    const float *d[MAX_MM], *s[MAX_MM];
+};
+
+// ---- AVX512-VNNI -------------------------------------------------------------------------------------
+// LANES<GS>.at[v][l]: the group (of the 8 a pass takes) that lane l of vector v holds: elements
+// 32 v + 4 l .. + 3
+template <int GS>
+struct Lanes {
+    alignas(32) int32_t at[8 * GS / 32][8];
+    constexpr Lanes() : at() {
+        for (int v = 0; v < 8 * GS / 32; v++)
+            for (int l = 0; l < 8; l++) at[v][l] = (32 * v + 4 * l) / GS;
+    }
+};
+template <int GS>
+constexpr Lanes<GS> LANES{};
+
+// ---- AVX2 ----------------------------------------------------------------------------------------------
+template <int GS, bool WIDE, int MM>
+__attribute__((target("avx2,fma")))
+void dot_avx2(const Unpacked &w, int64_t n, const Pass &p, float *sums) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[MM];
+    for (int t = 0; t < MM; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < n; c += 8 * GS) {
+        const int64_t g = c / GS;
+        const __m256 s = _mm256_load_ps(w.s + g), o = _mm256_load_ps(w.o + g);
+        __m256 scale[MM];
+        for (int t = 0; t < MM; t++) {
+            scale[t] = _mm256_mul_ps(s, _mm256_loadu_ps(p.d[t] + g));
+            acc[t] = _mm256_fmadd_ps(o, _mm256_loadu_ps(p.s[t] + g), acc[t]);
+        }
+        const int vs = n - c >= 8 * GS ? 8 * GS / 32 : (int)((n - c) / 32);
+        for (int v = 0; v < vs; v++) {
+            const __m256i u = _mm256_load_si256((const __m256i *)(w.u + c + 32 * v));
+            const __m256i idx = _mm256_load_si256((const __m256i *)LANES<GS>.at[v]);
+            for (int t = 0; t < MM; t++) {
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(p.q[t] + c + 32 * v));
+                __m256i dot;
+                if (WIDE) {  // a vector is one group of 32 (Q8_0): which lane sums what does not matter
+                    const __m256i lo = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(u)),
+                                                         _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)));
+                    const __m256i hi = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(u, 1)),
+                                                         _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1)));
+                    dot = _mm256_add_epi32(lo, hi);
+                } else {  // u <= 63: a pair of products stays within int16
+                    dot = _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), ones);
+                }
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_permutevar8x32_ps(scale[t], idx), acc[t]);
+            }
+        }
+    }
+    for (int t = 0; t < MM; t++) sums[t] += hs::hsum256(acc[t]);
+}
+
+// ---- portable ------------------------------------------------------------------------------------------
+template <int GS, int MM>
+void dot_ref(const Unpacked &w, int64_t n, const Pass &p, float *sums) {
+    for (int t = 0; t < MM; t++) {
+        float acc = 0.0f;
+        for (int64_t g = 0; g < n / GS; g++) {
+            int32_t dot = 0;
+            for (int e = 0; e < GS; e++) dot += (int32_t)w.u[g * GS + e] * p.q[t][g * GS + e];
+            acc += w.s[g] * p.d[t][g] * (float)dot + w.o[g] * p.s[t][g];
+        }
+        sums[t] += acc;
+    }
+}
+
+using Dot = void (*)(const Unpacked &, int64_t, const Pass &, float *);
+
+template <int GS, bool WIDE>
+void dots(int isa, Dot *out) {  // the kernels of 1 .. MAX_MM tokens for this host
+    const Dot avx2[MAX_MM] = {dot_avx2<GS, WIDE, 1>, dot_avx2<GS, WIDE, 2>, dot_avx2<GS, WIDE, 3>,
+                              dot_avx2<GS, WIDE, 4>};
+    const Dot ref[MAX_MM] = {dot_ref<GS, 1>, dot_ref<GS, 2>, dot_ref<GS, 3>, dot_ref<GS, 4>};
+    for (int i = 0; i < MAX_MM; i++) out[i] = isa == AVX2 ? avx2[i] : ref[i];  // AVX512-VNNI: quant_vnni.cpp
+}
+
+struct Weight {
+    const uint8_t *w;  // [n, row bytes], rows ldw bytes apart
+    int64_t ldw, n, col;
+    Info in;
+    Unpack unpack;
+    Dot dot[MAX_MM];
+    RowVnni vnni;  // AVX512-VNNI: the row in registers instead of unpack + dot (1 token)
+    bool nibbles;  // vnni takes x in nibble order (quant.h)
+    UnpackT unpack_t;  // and for 2+ tokens, transposed once (quant_tiles.cpp)
+    DotT dot_t;
+};
+
+struct Scratch {  // a thread's: one segment for unpack + dot, one transposed row for the tiles
+    Unpacked seg;
+    std::vector<uint8_t> u;
+    std::vector<float> s, o;
+};
+
+// rows n0 .. n1 of weight W times tokens m0 .. m1: out[m, col + n]
+void rows(const Weight &W, int64_t n0, int64_t n1, const Acts &a, int64_t m0, int64_t m1, int64_t K, float *out,
+          int64_t ldo, Scratch &scratch) {
+    Unpacked &seg = scratch.seg;
+    const int gs = W.in.group;
+    const int64_t G = a.Kp / gs;  // groups per token
+    float sums[TILE_R][TOKEN_BLOCK];
+    if (W.vnni && m1 - m0 >= 2) {  // TILE_R rows at a time, each transposed once (quant_tiles.cpp)
+        Tile tile;
+        tile.u = scratch.u.data(), tile.s = scratch.s.data(), tile.o = scratch.o.data();
+        tile.rs = a.Kp, tile.ss = a.Kp / 16, tile.groups = K / gs, tile.ldsum = TOKEN_BLOCK;
+        const int8_t *qt = (gs == 16 ? a.qt16 : a.qt32).data();
+        const float *dt = (gs == 16 ? a.dt16 : a.dt32).data(), *st = (gs == 16 ? a.st16 : a.st32).data();
+        for (int64_t r0 = n0; r0 < n1; r0 += TILE_R) {
+            const int nr = n1 - r0 < TILE_R ? (int)(n1 - r0) : TILE_R;
+            for (int r = 0; r < nr; r++) {
+                W.unpack_t(W.w + (r0 + r) * W.ldw, K, scratch.u.data() + r * tile.rs,
+                           scratch.s.data() + r * tile.ss, scratch.o.data() + r * tile.ss);
+                for (int64_t m = m0; m < m1; m++) sums[r][m - m0] = 0.0f;
+            }
+            for (int64_t m = m0; m < m1; m += TILE_MM) {
+                const int mm = m1 - m < TILE_MM ? (int)(m1 - m) : TILE_MM;
+                for (int t = 0; t < mm; t++) {
+                    tile.qt[t] = qt + (m + t) * a.Kp;
+                    tile.qn[t] = a.q.data() + (m + t) * a.Kp;
+                    tile.dt[t] = dt + (m + t) * G;
+                    tile.st[t] = st + (m + t) * G;
+                    tile.dn[t] = a.d(gs) + (m + t) * G;
+                    tile.sn[t] = a.s(gs) + (m + t) * G;
+                }
+                tile.sums = &sums[0][m - m0];
+                W.dot_t(nr, mm, tile);
+            }
+            for (int r = 0; r < nr; r++)
+                for (int64_t m = m0; m < m1; m++) out[m * ldo + W.col + r0 + r] = sums[r][m - m0];
+        }
+        return;
+    }
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = W.w + n * W.ldw;
+        for (int64_t m = m0; m < m1; m++) sums[0][m - m0] = 0.0f;
+        if (W.vnni)  // one token (steps of 2+ took the tiles above)
+            sums[0][0] = W.vnni(row, K, (W.nibbles ? a.qn : a.q).data() + m0 * a.Kp, a.d(gs) + m0 * G,
+                                a.s(gs) + m0 * G);
+        for (int64_t e0 = 0; !W.vnni && e0 < K; e0 += SEG) {
+            // past len: u to a multiple of 64, s and o to one of 16 groups, zeros
+            const int64_t len = K - e0 < SEG ? K - e0 : SEG, padded = (len + 63) / 64 * 64;
+            W.unpack(row + e0 / W.in.block * W.in.bytes, len / W.in.block, seg);
+            memset(seg.u + len, 0, padded - len);
+            for (int64_t g = len / gs; g < (len / gs + 15) / 16 * 16; g++) seg.s[g] = seg.o[g] = 0.0f;
+            for (int64_t m = m0; m < m1; m += MAX_MM) {
+                const int mm = m1 - m < MAX_MM ? (int)(m1 - m) : MAX_MM;
+                Pass p;
+                for (int t = 0; t < mm; t++) {
+                    p.q[t] = a.q.data() + (m + t) * a.Kp + e0;
+                    p.d[t] = a.d(gs) + (m + t) * G + e0 / gs;
+                    p.s[t] = a.s(gs) + (m + t) * G + e0 / gs;
+                }
+                W.dot[mm - 1](seg, padded, p, &sums[0][m - m0]);
+            }
+        }
+        for (int64_t m = m0; m < m1; m++) out[m * ldo + W.col + n] = sums[0][m - m0];
+    }
+}
+
+}  // namespace
+}  // namespace hsq
+
+extern "C" {
+
+// x: [M, K] contiguous (xdtype 1 bf16, 2 float32); weight i: ws[i] [ns[i], K / block * bytes] of ggml type
+// types[i], rows lds[i] bytes apart; out: [M, sum ns] float32 (row stride ldo), the weights side by side.
+// isa: 2 AVX512-VNNI, 1 AVX2 + FMA + F16C, 0 portable (the caller checks the CPU). Returns 0, or -1 for
+// bad arguments (an unknown type, K not a multiple of a type's block).
+int hs_quant_matmul(int isa, int xdtype, const void *x, int64_t M, int64_t K, int64_t nw, const void *const *ws,
+                    const int64_t *lds, const int64_t *ns, const int *types, float *out, int64_t ldo) {
+    using namespace hsq;
+    if (M < 1 || K < 32 || nw < 1 || nw > 16 || (xdtype != 1 && xdtype != 2) || isa < 0 || isa > 2) return -1;
+    Weight W[16];
+    int64_t col = 0, chunks = 0;
+    int tiles = 0;  // the transposed layouts of x the weights need (2+ tokens, AVX512-VNNI)
+    for (int64_t i = 0; i < nw; i++) {
+        W[i].w = (const uint8_t *)ws[i];
+        W[i].ldw = lds[i];
+        W[i].n = ns[i];
+        W[i].col = col;
+        if (!info(types[i], W[i].in) || K % W[i].in.block != 0 || ns[i] < 0) return -1;
+        W[i].unpack = unpack_for(types[i], isa);
+        W[i].vnni = isa == AVX512_VNNI ? row_vnni_for(types[i]) : nullptr;
+        W[i].nibbles = nibble_order(types[i]);
+        if (W[i].vnni && W[i].nibbles && M % TOKEN_BLOCK == 1) tiles |= 4;  // a 1-token pass needs x so
+        W[i].unpack_t = isa == AVX512_VNNI ? unpack_t_for(types[i]) : nullptr;
+        W[i].dot_t = dot_t_for(W[i].in.group);
+        if (W[i].in.group == 16)
+            dots<16, false>(isa, W[i].dot);
+        else if (W[i].in.wide)
+            dots<32, true>(isa, W[i].dot);
+        else
+            dots<32, false>(isa, W[i].dot);
+        if (isa == AVX512_VNNI && M >= 2) tiles |= W[i].in.group == 16 ? 1 : 2;
+        col += ns[i];
+        chunks += (ns[i] + CHUNK - 1) / CHUNK;
+    }
+    static thread_local Acts caller;  // the calling thread's buffers (the team's threads have their own)
+    Acts &acts = caller;
+    quantize_acts(x, xdtype, M, K, isa, tiles, acts);
+#pragma omp parallel
+    {
+        Scratch scratch;
+        if (isa == AVX512_VNNI && M >= 2) {
+            scratch.u.resize(TILE_R * acts.Kp);
+            scratch.s.resize(TILE_R * acts.Kp / 16);
+            scratch.o.resize(TILE_R * acts.Kp / 16);
+        }
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < chunks; c++) {
+            int64_t i = 0, first = c;  // chunk c is the first-th chunk of weight i
+            while (first >= (W[i].n + CHUNK - 1) / CHUNK) first -= (W[i].n + CHUNK - 1) / CHUNK, i++;
+            const int64_t n0 = first * CHUNK, n1 = n0 + CHUNK < W[i].n ? n0 + CHUNK : W[i].n;
+            for (int64_t m0 = 0; m0 < M; m0 += TOKEN_BLOCK)
+                rows(W[i], n0, n1, acts, m0, M - m0 < TOKEN_BLOCK ? M : m0 + TOKEN_BLOCK, K, out, ldo, scratch);
+        }
+    }
+    return 0;
+}
+
+}  // extern "C"

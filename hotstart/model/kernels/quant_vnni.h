@@ -1,0 +1,123 @@
+// AVX512-VNNI pieces of the quantized matmul shared by quant_vnni.cpp (rows of 1 token, in registers) and
+// quant_tiles.cpp (steps of 2+ tokens, over each row transposed once): a row's scales and offsets 16 groups
+// at a time, and its codes 64 elements at a time in x's order (quant.h's form, unpacked in registers).
+
+#pragma once
+
+#include "quant.h"
+
+namespace hsq {
+
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx512vbmi,f16c")))
+
+VNNI inline __m512 halves(__m512i v) {  // the low fp16 of each 32-bit lane -> float32
+    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v));
+}
+
+// the 16 groups of chunk c: s and o vectors; groups past `valid` are 0
+template <int T>
+VNNI void scales(const uint8_t *r, int64_t c, int valid, __m512 &s, __m512 &o) {
+    Info in;
+    info(T, in);
+    const __mmask16 keep = (__mmask16)(valid >= 16 ? 0xffff : (1u << valid) - 1);
+    if (T == Q6_K) {  // one super-block: 16 int8 sub-scales times d
+        const uint8_t *b = r + c * in.bytes;
+        const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192))));
+        s = _mm512_mul_ps(sc, _mm512_set1_ps(fp16_at(b + 208)));
+        o = _mm512_mul_ps(s, _mm512_set1_ps(-32.0f));
+    } else if (T == Q4_K || T == Q5_K) {  // two super-blocks of 8 groups (the second absent past valid)
+        // 12 scale bytes q -> bytes 0-7: 6-bit scales, 8-15: 6-bit mins (ggml's get_scale_min_k4)
+        const __m128i lo_idx = _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11);
+        const __m128i hi_idx = _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7);
+        const __m128i mask6 = _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0);
+        const __m128i top4 = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15);
+        __m512 f[2], d[2], dmin[2];
+        for (int h = 0; h < 2; h++) {
+            if (h * 8 >= valid) {
+                f[h] = d[h] = dmin[h] = _mm512_setzero_ps();
+                continue;
+            }
+            const uint8_t *b = r + (2 * c + h) * in.bytes;
+            __m128i q;
+            memcpy(&q, b, 16);  // d, dmin, scales[12]: the scales are bytes 4 - 15
+            q = _mm_srli_si128(q, 4);
+            const __m128i a = _mm_shuffle_epi8(q, lo_idx), hb = _mm_shuffle_epi8(q, hi_idx);
+            const __m128i low = _mm_or_si128(_mm_and_si128(a, mask6), _mm_and_si128(_mm_srli_epi16(a, 4), top4));
+            const __m128i high = _mm_and_si128(_mm_srli_epi16(hb, 2), _mm_set1_epi8(0x30));
+            f[h] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_or_si128(low, high)));
+            d[h] = _mm512_set1_ps(fp16_at(b));
+            dmin[h] = _mm512_set1_ps(-fp16_at(b + 2));
+        }
+        const __m512i sel_s = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+        const __m512i sel_o = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+        const __m512 ds = _mm512_mask_blend_ps(0xff00, d[0], d[1]), dm = _mm512_mask_blend_ps(0xff00, dmin[0], dmin[1]);
+        s = _mm512_mul_ps(_mm512_permutex2var_ps(f[0], sel_s, f[1]), ds);
+        o = _mm512_mul_ps(_mm512_permutex2var_ps(f[0], sel_o, f[1]), dm);
+    } else {  // 16 blocks: a gather of each block's first 4 bytes (d, and m or the next 2 bytes)
+        const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(in.bytes));
+        const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), keep, at, r + c * 16 * in.bytes, 1);
+        s = halves(g);
+        if (T == Q4_1 || T == Q5_1)
+            o = halves(_mm512_srli_epi32(g, 16));
+        else
+            o = _mm512_mul_ps(s, _mm512_set1_ps(T == Q8_0 ? -128.0f : T == Q5_0 ? -16.0f : -8.0f));
+    }
+}
+
+// vector v of chunk c: 64 codes in x's order; half_only: block 2v + 1 of a 32-element type is past the row
+template <int T>
+VNNI __m512i codes(const uint8_t *r, int64_t c, int v, bool half_only) {
+    Info in;
+    info(T, in);
+    const __m512i f = _mm512_set1_epi8(0x0f);
+    if (T == Q6_K) {  // v: half v / 2; even: low nibbles, qh bits 0-1 | 2-3; odd: high nibbles, bits 4-5 | 6-7
+        const uint8_t *b = r + c * in.bytes;
+        const __m512i ql = _mm512_loadu_si512(b + 64 * (v / 2));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * (v / 2)));
+        const __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1);
+        const int sh = 4 * (v & 1);
+        const __m512i shifts = _mm512_inserti64x4(_mm512_set1_epi16((short)sh), _mm256_set1_epi16((short)(sh + 2)), 1);
+        const __m512i low = _mm512_and_si512(_mm512_srli_epi16(ql, sh), f);
+        const __m512i high = _mm512_and_si512(_mm512_srlv_epi16(h, shifts), _mm512_set1_epi8(3));
+        return _mm512_or_si512(low, _mm512_slli_epi16(high, 4));
+    }
+    if (T == Q4_K || T == Q5_K) {  // v: super-block 2c + v / 4, its 32 bytes j = v % 4: low then high nibbles
+        const uint8_t *b = r + (2 * c + v / 4) * in.bytes;
+        const int j = v % 4;
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(b + (T == Q5_K ? 48 : 16) + 32 * j));
+        __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(q), q, 1);
+        z = _mm512_and_si512(_mm512_mask_srli_epi16(z, 0xffff0000u, z, 4), f);
+        if (T == Q5_K) {  // bit 2j of qh[l]: element 64j + l's fifth bit; bit 2j + 1: element 64j + 32 + l's
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+            const __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1);
+            const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (2 * j))),
+                                                   _mm256_set1_epi8((char)(1 << (2 * j + 1))), 1);
+            z = _mm512_or_si512(z, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(h, bit), _mm512_set1_epi8(16)));
+        }
+        return z;
+    }
+    const int64_t blk = c * 16 + 2 * v;  // the 32-element types: blocks blk, blk + 1
+    const uint8_t *a = r + blk * in.bytes, *b = a + in.bytes;
+    if (T == Q8_0) {
+        const __m256i qa = _mm256_loadu_si256((const __m256i *)(a + 2));
+        const __m256i qb = half_only ? _mm256_setzero_si256() : _mm256_loadu_si256((const __m256i *)(b + 2));
+        return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(qa), qb, 1), _mm512_set1_epi8((char)0x80));
+    }
+    const bool five = T == Q5_0 || T == Q5_1, minned = T == Q4_1 || T == Q5_1;
+    const int qs = 2 + (minned ? 2 : 0) + (five ? 4 : 0);
+    const __m128i xa = _mm_loadu_si128((const __m128i *)(a + qs));
+    const __m128i xb = half_only ? _mm_setzero_si128() : _mm_loadu_si128((const __m128i *)(b + qs));
+    __m512i z = _mm512_castsi256_si512(_mm256_set_m128i(xb, xa));
+    z = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3), z);  // xa, xa, xb, xb
+    z = _mm512_and_si512(_mm512_mask_srli_epi16(z, 0xff00ff00u, z, 4), f);
+    if (five) {
+        uint32_t ha, hb = 0;
+        memcpy(&ha, a + qs - 4, 4);
+        if (!half_only) memcpy(&hb, b + qs - 4, 4);
+        z = _mm512_or_si512(z, _mm512_maskz_mov_epi8(_cvtu64_mask64(ha | (uint64_t)hb << 32), _mm512_set1_epi8(16)));
+    }
+    return z;
+}
+
+}  // namespace hsq

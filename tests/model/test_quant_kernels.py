@@ -1,0 +1,125 @@
+"""The quantized matmul kernels (hotstart/model/quant_kernels.py) against dequantize-then-matmul: every ggml
+type they take, weights from the gguf package's quantizer (or crafted random K-quant blocks), dequantized by
+the gguf package (its numpy reference); odd N and M, K across a segment boundary, steps of 1 - 4 and 5 - 48
+tokens, 1 and 2 threads, float32 and bf16 activations, each instruction set this host runs (AVX512-VNNI,
+AVX2, the portable C++) forced in turn.
+
+Two bounds per output (n, m), both in float64:
+- exact arithmetic: the kernels' integer dot products are exact, so against xq @ W^T (xq: x quantized as
+  the kernels quantize it) only float32 accumulation remains: within 1e-6 of sum_k |xq_mk W_nk| (float32's
+  2^-24 per rounding, summed over a few dozen roundings in the vector lanes' order: <= 1e-7 measured);
+- against the product itself, x @ W^T: int8 activations add at most d_a / 2 per element (d_a = max |x| / 127
+  over its block of 32, rounding to nearest), so |out - x @ W^T| <= sum_k |W_nk| d_a(k) / 2 plus the first
+  bound; llama.cpp bounds its vec_dot tests by a relative error instead (0.02 of the product's scale): this
+  is tighter, and its normalized mean squared error is checked below llama.cpp's test-backend-ops limit
+  for mul_mat (5e-4)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers.quant_blocks import TYPES, dequantize, quantize_activations, random_weight
+
+from hotstart.model import cpu_kernels
+from hotstart.model import quant_kernels as qk
+from hotstart.system import cpu_flags
+
+ISAS = [isa for isa in (qk.AVX512_VNNI, qk.AVX2, qk.PORTABLE)
+        if isa == qk.PORTABLE or set(qk._ISA_NEEDS[isa]) <= cpu_flags()]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _library(tmp_path_factory):
+    if cpu_kernels.compiler() is None:
+        pytest.skip("no C++ compiler: quantized weights take model/quant.py's reference path")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HOTSTART_HOME", str(tmp_path_factory.getbasetemp() / "gemv-home"))
+    cpu_kernels.load(cpu_kernels.build())
+    assert qk.bind()
+    yield
+    mp.undo()
+
+
+def _check(out: torch.Tensor, x: torch.Tensor, w_deq: np.ndarray) -> float:
+    """Both bounds (module docstring) -> the normalized mean squared error against x @ W^T."""
+    xf = x.float().numpy()
+    xq, d = quantize_activations(xf)
+    got = out.numpy().astype(np.float64)
+    exact = xq @ w_deq.T
+    assert (np.abs(got - exact) <= 1e-6 * (np.abs(xq) @ np.abs(w_deq).T) + 1e-30).all()
+    ref = xf.astype(np.float64) @ w_deq.T
+    bound = (0.5 * d) @ np.abs(w_deq).T + 1e-6 * (np.abs(xq) @ np.abs(w_deq).T)
+    assert (np.abs(got - ref) <= bound).all()
+    return float(((got - ref) ** 2).mean() / (ref ** 2).mean())
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+def test_kernels_equal_dequantize_then_matmul(name):
+    rng = np.random.default_rng(TYPES[name])
+    block = qk.BLOCKS[TYPES[name]][0]
+    k = 1280 if block == 256 else 1120  # past one segment (1,024 elements), a partial vector at the end
+    n = 37
+    w = random_weight(name, n, k, rng)
+    w_deq = dequantize(w, name)
+    wt = torch.from_numpy(w)
+    threads = torch.get_num_threads()
+    try:
+        for m, dtype, isa, t in [(1, torch.float32, ISAS[0], 1), (3, torch.bfloat16, ISAS[0], 2),
+                                 (4, torch.float32, ISAS[-1], 1), (5, torch.bfloat16, ISAS[-1], 2),
+                                 *[(m, dt, isa, 2) for isa in ISAS for m, dt in ((2, torch.float32),
+                                                                               (17, torch.bfloat16))],
+                                 (48, torch.float32, ISAS[0], 2), (48, torch.bfloat16, ISAS[-1], 1)]:
+            torch.set_num_threads(t)
+            x = (torch.randn(m, k, dtype=torch.float32) * torch.rand(1, k) * 4).to(dtype)  # uneven channels
+            out = qk.matmul(x, [(wt, TYPES[name])], isa)
+            assert out is not None and out.shape == (m, n) and out.dtype == torch.float32
+            nmse = _check(out, x, w_deq)
+            assert nmse < 5e-4, (name, m, isa, nmse)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_several_weights_side_by_side():
+    """q / k / v of a Q4_K_M file: one call, three weights of two types, outputs side by side, as separate
+    calls give them; the contract's hook (x, w, type) is one of them."""
+    rng = np.random.default_rng(1)
+    k = 512
+    parts = [("Q4_K", 19), ("Q4_K", 5), ("Q6_K", 5)]
+    ws = [torch.from_numpy(random_weight(name, n, k, rng)) for name, n in parts]
+    x = torch.randn(3, k)
+    both = qk.matmul(x, [(w, TYPES[name]) for w, (name, _) in zip(ws, parts)])
+    alone = torch.cat([qk.kernel(x, w, TYPES[name]) for w, (name, _) in zip(ws, parts)], dim=1)
+    assert both.shape == (3, 29)
+    assert torch.equal(both, alone)
+
+
+def test_what_the_kernels_do_not_take_returns_none():
+    """None, so that model/quant.py's reference path runs: another type (F16, Q2_K), K not in whole blocks,
+    row bytes that do not match K, an integer x, a transposed weight."""
+    w = torch.from_numpy(random_weight("Q4_0", 8, 64, np.random.default_rng(2)))
+    x = torch.randn(2, 64)
+    assert qk.kernel(x, w, TYPES["Q4_0"]) is not None
+    assert qk.kernel(x, w.view(torch.uint8), 1) is None  # F16
+    assert qk.kernel(x, w, 10) is None  # Q2_K
+    assert qk.kernel(torch.randn(2, 48), w, TYPES["Q4_0"]) is None
+    assert qk.kernel(torch.randn(2, 96), w, TYPES["Q4_0"]) is None
+    assert qk.kernel(x.to(torch.int32), w, TYPES["Q4_0"]) is None
+    assert qk.kernel(x, w.t(), TYPES["Q4_0"]) is None
+
+
+def test_install_registers_with_the_quant_hook():
+    """The fast path's install step (engine/fastpath/pack.py install_kernels) registers `kernel` with
+    model/quant.py's set_kernel where the model holds ggml blocks; quant.matmul then returns the kernel's
+    product (equal to a direct call), and set_kernel(None) puts the reference path back."""
+    quant = pytest.importorskip("hotstart.model.quant", reason="model/quant.py (the GGUF loader's) not here")
+    holder = torch.nn.Module()
+    holder.ggml_type = TYPES["Q4_1"]
+    assert qk.quantized(holder) and not qk.quantized(torch.nn.Linear(2, 2))
+    w = torch.from_numpy(random_weight("Q4_1", 9, 96, np.random.default_rng(3)))
+    x = torch.randn(2, 96)
+    try:
+        assert qk.install().startswith("quantized matmul kernels")
+        assert torch.equal(quant.matmul(x, w, TYPES["Q4_1"]), qk.kernel(x, w, TYPES["Q4_1"]))
+    finally:
+        quant.set_kernel(None)
