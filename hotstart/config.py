@@ -10,6 +10,7 @@ from typing import Any
 from hotstart.flags import (
     at_least_one,
     bucket_list,
+    byte_size,
     fraction,
     memory_amount,
     name,
@@ -45,10 +46,11 @@ class EngineConfig:
                                          type=at_least_one)
     block_size: int = option(16, "tokens per KV-cache block", type=at_least_one)
     kv_cache_memory: int | None = option(
-        None, "bytes for the KV cache (default: CPU enough for max-num-seqs x max-model-len, at most half of "
-              "what MemAvailable leaves beside the weights, at least one sequence; CUDA from "
+        None, "bytes for the KV cache, e.g. 2G (default: CPU enough for max-num-seqs x max-model-len, at "
+              "most half of what the available memory (a cgroup's limit minus its working set, else "
+              "MemAvailable) leaves beside the weights, at least one sequence; CUDA from "
               "--gpu-memory-utilization)",
-        type=at_least_one)
+        type=byte_size, env="HOTSTART_KV_CACHE_MEMORY", aliases=("--kv-cache-memory-bytes",))
     gpu_memory_utilization: float = option(
         0.9, "fraction of GPU memory the engine may use (weights + KV cache)", type=fraction)
     seed: int = option(0, "seed of the sampler's default generator", type=int)
@@ -119,9 +121,10 @@ class ServeConfig:
     body_timeout: int = option(30, "seconds a request has to send its body once its headers are in",
                                type=at_least_one)
     min_free_memory: str = option(
-        "auto", "while MemAvailable is below this, new requests wait up to 1 s, then get 503 with "
-                "Retry-After instead of the engine meeting the OOM killer: bytes (512M, 2G), a percentage of "
-                "RAM, 0 (off), or auto (5%% of RAM, at most 1 GiB)", type=memory_amount)
+        "auto", "while the available memory (a cgroup's limit minus its working set, else MemAvailable) "
+                "is below this, new requests wait up to 1 s, then get 503 with Retry-After instead of the "
+                "engine meeting the OOM killer: bytes (512M, 2G), a percentage of the RAM (the cgroup's "
+                "limit, else MemTotal), 0 (off), or auto (5%% of it, at most 1 GiB)", type=memory_amount)
     prespawn: bool = option(True, "start the engine after the API is up, as a fresh interpreter (ablation)",
                             flag="--no-prespawn", action="store_false")
     prefetch: bool = option(True, "do not prefetch weights into the page cache (ablation)",

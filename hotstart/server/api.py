@@ -306,8 +306,11 @@ class OpenAIServing:
 
     async def startup(self, request: Request) -> Response:
         # app.state.prefetch_stats: the serve command sets it once the prefetcher exists
+        from hotstart.system import memory_report  # noqa: PLC0415 - stdlib only
+
         state = request.app.state
-        return json_response(self.startup_body(state.prefetch_stats, state.download_stats))
+        body = self.startup_body(state.prefetch_stats, state.download_stats)
+        return json_response({**body, "memory": memory_report()})  # the limit and where it comes from
 
     async def prometheus(self) -> Response:
         self.metrics.update_engine(self.engine.stats, self.engine.ready)
