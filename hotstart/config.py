@@ -85,6 +85,15 @@ class EngineConfig:
              "collective): killed and replaced like a silent engine (0: off)", type=seconds)
     cursor_path: str | None = None  # LoadCursor file shared with the API process's prefetcher (None: none)
     t0: float = 0.0  # launch time (time.time()) for the startup timeline
+    engine_restart_backoff: float = option(
+        5.0, "past the crash-loop limit (more than 5 engine deaths within 60 s) the server waits this long "
+             "before starting the engine again (503 + Retry-After meanwhile, /live 200), doubling while "
+             "the loop goes on, at most 5 minutes", type=seconds)
+    debug_fault: str | None = option(
+        None, "debugging, off unless set: ACTION@TOKEN_ID[,...] makes a request whose prompt holds that "
+              "token id fail on purpose: add (raise while adding it), step (raise in its forward), crash "
+              "(SIGKILL the engine in its step); rehearses what clients see (docs/reliability.md)",
+        type=lambda text: (parse_debug_faults(text), text)[1], metavar="ACTION@TOKEN_ID")
 
     def compile_bucket_sizes(self) -> tuple[int, ...]:
         """The buckets worth building: none above the most tokens a decode step can have."""
@@ -171,6 +180,23 @@ class ServeConfig:
         if serial_baseline():
             cfg = replace(cfg, prespawn=False, prefetch=False, import_prefetch=False, zygote="off")
         return cfg
+
+
+FAULT_ACTIONS = ("add", "step", "crash")
+
+
+def parse_debug_faults(text: str | None) -> dict[int, str]:
+    """--debug-fault's ACTION@TOKEN_ID[,...] as {token id: action} (empty: off); argparse's error if bad."""
+    import argparse  # noqa: PLC0415 - stdlib; only where the flag is set
+
+    out: dict[int, str] = {}
+    for item in text.split(",") if text else ():
+        action, _, token = item.strip().partition("@")
+        if action not in FAULT_ACTIONS or not token.isdigit():
+            raise argparse.ArgumentTypeError(
+                f"expected ACTION@TOKEN_ID with ACTION one of {', '.join(FAULT_ACTIONS)}, got {item!r}")
+        out[int(token)] = action
+    return out
 
 
 def serial_baseline() -> bool:

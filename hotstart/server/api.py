@@ -128,9 +128,13 @@ class OpenAIServing:
         return self.names[0]
 
     def require_ready(self) -> None:
-        if not self.engine.ready:
+        if not self.engine.ready:  # Retry-After while backing off from a crash loop (frontend/crashes.py)
             raise RequestError(503, f"the engine is not ready ({self.engine.status})",
-                               code="engine_not_ready")
+                               code="engine_not_ready", retry_after=self._retry_after())
+
+    def _retry_after(self) -> float | None:
+        seconds = getattr(self.engine, "retry_after", None)
+        return None if seconds is None else float(round(seconds))
 
     def sampling(self, req: Any, max_tokens: int | None, max_param: str, n_prompt: int, prompt_param: str,
                  logprobs: int | None = None, prompt_logprobs: int | None = None,
@@ -204,7 +208,10 @@ class OpenAIServing:
 
     def generation(self, rid: str, ids: list[int], params: SamplingParams, stops: list[str],
                    t0: float) -> Generation:
-        """An accepted request's Generation (its prompt tokens counted; a forced drain interrupts it)."""
+        """An accepted request's Generation (its prompt tokens counted; a forced drain interrupts it); a
+        poison request (in flight at two engine deaths in a row) is refused here, before any reply."""
+        if (refused := self.engine.refusal(ids, params)) is not None:
+            raise refused
         self.metrics.prompt_tokens.inc(len(ids))
         self.metrics.vllm.prompt_tokens.labels(self.metrics.model_name).inc(len(ids))
         gen = Generation(self.engine, self.tokenizer, rid, ids, params, stops, self.metrics, t0,
@@ -298,7 +305,10 @@ class OpenAIServing:
     async def health(self) -> Response:
         if self.engine.ready:
             return json_response({"status": "ready"})
-        return json_response({"status": self.engine.status}, 503)
+        resp = json_response({"status": self.engine.status}, 503)
+        if (seconds := self._retry_after()) is not None:  # backing off from a crash loop
+            resp.headers["Retry-After"] = f"{seconds:g}"
+        return resp
 
     async def live(self) -> Response:
         """Liveness: 200 while the process serves HTTP at all (starting, ready or draining)."""
