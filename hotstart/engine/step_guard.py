@@ -93,8 +93,7 @@ def fail(core: EngineCore, request_id: str, error: BaseException, where: str) ->
               describe(error))
     core.abort([request_id])
     text = str(error).splitlines()[0][:300] if str(error) else ""
-    return TokenOutput(request_id, [], "error",
-                       f"the engine failed on this request {where}: {type(error).__name__}: {text}")
+    return TokenOutput(request_id, [], "error", f"failed {where}: {type(error).__name__}: {text}")
 
 
 def guarded(core: EngineCore, s: Scheduled) -> list[TokenOutput]:

@@ -1,7 +1,7 @@
 """Engine deaths as one engine's supervisor counts them (torch-free): the crash-loop backoff, the requests
 in flight at each death, and poison requests.
 
-- `record(what, in_flight)` at each death logs the requests that were in flight (their ids and
+- `record(what, in_flight)` at each death names the requests that were in flight (the log line) (their ids and
   fingerprints: a hash of the prompt's token ids and the sampling parameters; never their text) and marks
   a fingerprint that was in flight at this death and at the one before as poison (POISON_S).
 - `refusal(ids, params)`: the 422 `poison_request` a poison request's retry gets, before it reaches the
@@ -60,8 +60,9 @@ class CrashLog:
     def ready(self, now: float) -> None:
         self.ready_since = now
 
-    def record(self, what: str, in_flight: dict[str, tuple[list[int], SamplingParams]], now: float) -> None:
-        """A death (WHAT ended the engine) with IN_FLIGHT requests: log them, count them, mark poison."""
+    def record(self, what: str, in_flight: dict[str, tuple[list[int], SamplingParams]], now: float) -> str:
+        """A death (WHAT ended the engine) with IN_FLIGHT requests: count them, mark poison; returns the
+        log line naming them."""
         self.deaths += 1
         self.last_death = what
         if self.ready_since is not None and now - self.ready_since >= WINDOW_S:
@@ -81,10 +82,10 @@ class CrashLog:
         named = ", ".join(f"{rid} [{fp}]" for rid, fp in list(prints.items())[:LISTED])
         more = f" and {len(prints) - LISTED} more" if len(prints) > LISTED else ""
         poison = sorted(fp for fp, n in seen.items() if n >= 2)
-        log.error("hotstart: engine death %d: %d requests in flight%s%s%s", self.deaths, len(prints),
-                  f": {named}" if named else "", more,
-                  f"; poison (in flight at {min(seen[fp] for fp in poison)}+ deaths in a row, refused for "
-                  f"{POISON_S:.0f} s): {', '.join(poison)}" if poison else "")
+        return (f"hotstart: engine death {self.deaths}: {len(prints)} requests in flight"
+                f"{f': {named}' if named else ''}{more}"
+                + (f"; poison (in flight at 2+ deaths in a row, refused for {POISON_S:.0f} s): "
+                   f"{', '.join(poison)}" if poison else ""))
 
     def crash_loop(self) -> bool:
         """This death makes a crash loop: too many within the window, or one during the probation."""

@@ -245,10 +245,11 @@ class EngineSupervisor:
         # died during startup: a replacement would only die the same way
         restart = self.auto_restart and (was_ready or self._died_at is not None)
         now = time.monotonic()
-        self.crashes.record(what, self.transport.in_flight(), now)
+        report = self.crashes.record(what, self.transport.in_flight(), now)
         loop = restart and self.crashes.crash_loop()
         outcome = (": killed, restarting" if restart and not loop else ": killed") if killed else ""
         log.error("hotstart: %s%s", what, outcome)
+        log.error(report)
         self.transport.fail_requests(what)
         if not restart:
             return self._fail_unless_told_why(what, wait=not killed)

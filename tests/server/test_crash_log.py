@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 
 from hotstart.frontend.crashes import BACKOFF_MAX_S, MAX_DEATHS, WINDOW_S, CrashLog, fingerprint
@@ -12,20 +11,19 @@ A = ([1, 2, 3], SamplingParams(max_tokens=8))
 B = ([1, 2, 4], SamplingParams(max_tokens=8))
 
 
-def test_in_flight_at_two_deaths_in_a_row_is_poison_and_only_then(caplog):
+def test_in_flight_at_two_deaths_in_a_row_is_poison_and_only_then():
     log = CrashLog(5.0)
-    caplog.set_level(logging.ERROR, "hotstart")
     t = time.monotonic()  # the supervisor's clock, which the refusals read
-    log.record("engine process exited (code -11)", {"r1": A, "r2": B}, t)
+    line = log.record("engine process exited (code -11)", {"r1": A, "r2": B}, t)
     assert log.refusal(*A) is None and log.refusal(*B) is None  # one death proves nothing
-    assert "engine death 1: 2 requests in flight: r1 [" in caplog.text and fingerprint(*A) in caplog.text
-    log.record("engine process exited (code -11)", {"r3": A}, t + 1)  # A's retry, at the next death
+    assert line.startswith("hotstart: engine death 1: 2 requests in flight: r1 [") and fingerprint(*A) in line
+    line = log.record("engine process exited (code -11)", {"r3": A}, t + 1)  # A's retry, at the next death
     refused = log.refusal(*A)
     assert refused.status == 422 and refused.code == "poison_request"
     assert "2 engine deaths in a row" in refused.message and "code -11" in refused.message
     assert log.refusal(*B) is None  # not at the second death: its streak is broken
     assert log.refusal([1, 2, 3], SamplingParams(max_tokens=9)) is None  # other parameters, another request
-    assert "poison" in caplog.records[-1].getMessage()
+    assert line.endswith(f"poison (in flight at 2+ deaths in a row, refused for 600 s): {fingerprint(*A)}")
     log.record("killed", {}, t + 2)
     log.record("killed", {"r4": B}, t + 3)
     assert log.refusal(*B) is None  # deaths with B in flight, but not in a row

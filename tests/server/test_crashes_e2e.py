@@ -125,7 +125,13 @@ def test_six_engine_kills_within_a_minute_back_off_then_serve_again(model):
         assert _complete(srv, GOOD["g0"]).status_code == 200
         assert srv.proc.poll() is None and "hotstart: error" not in srv.output
         assert "engine crash loop: backing off" in srv.output
-        srv.stop()
+        _engine(srv).send_signal(signal.SIGKILL)  # within a minute of the backoff: the loop goes on, longer
+        deadline = time.monotonic() + 30
+        while "backoff" not in (health := httpx.get(srv.url + "/health", timeout=5)).text:
+            assert time.monotonic() < deadline, srv.output[-3000:]
+            time.sleep(0.05)
+        assert 4 <= int(health.headers["Retry-After"]) <= 6, health.headers
+        srv.stop()  # SIGTERM while backing off: a clean exit, nothing left
     finally:
         if srv.proc.poll() is None:
             srv.kill()
