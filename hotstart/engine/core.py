@@ -94,11 +94,11 @@ class EngineCore:
         n_prompt = len(req.prompt_token_ids)
         seq = Sequence(req.request_id, list(req.prompt_token_ids), n_prompt, req.params,
                        self._generator(req.params, 0), forks_pending=req.params.n - 1)
+        self.requests[req.request_id] = [seq]  # first: a failure below is undone by abort()
         if req.params.prompt_logprobs is not None and n_prompt > 1:
             seq.skip_prefix_cache, seq.max_chunk, seq.prompt_logprobs = True, PROMPT_LOGPROBS_CHUNK, []
             self._num_prompt_logprobs += 1
         self.sampler.register(seq)
-        self.requests[req.request_id] = [seq]
         if req.params.grammar is None:
             self.scheduler.add(seq)
         else:  # scheduled once its matcher is compiled (off this loop); other streams step meanwhile
