@@ -11,6 +11,7 @@ from hotstart.flags import (
     at_least_one,
     bucket_list,
     byte_size,
+    byte_size_or_auto,
     fraction,
     memory_amount,
     name,
@@ -48,10 +49,11 @@ class EngineConfig:
                                          type=at_least_one)
     block_size: int = option(16, "tokens per KV-cache block", type=at_least_one)
     kv_cache_memory: int | None = option(
-        None, "bytes for the KV cache (default: CPU enough for max-num-seqs x max-model-len, at most half of "
-              "what MemAvailable leaves beside the weights, at least one sequence; CUDA from "
+        None, "bytes for the KV cache, e.g. 2G (default: CPU enough for max-num-seqs x max-model-len, at "
+              "most half of what the available memory (a cgroup's limit minus its working set, else "
+              "MemAvailable) leaves beside the weights, at least one sequence; CUDA from "
               "--gpu-memory-utilization)",
-        type=at_least_one)
+        type=byte_size, env="HOTSTART_KV_CACHE_MEMORY", aliases=("--kv-cache-memory-bytes",))
     gpu_memory_utilization: float = option(
         0.9, "fraction of GPU memory the engine may use (weights + KV cache)", type=fraction)
     seed: int = option(0, "seed of the sampler's default generator", type=int)
@@ -71,7 +73,7 @@ class EngineConfig:
         "auto", "bytes of full prefix-cache KV blocks kept on disk ($HOTSTART_HOME/kv/, shared by every "
                 "model, least recently used dropped first) so that an unloaded or restarted model finds the "
                 "prefixes it had: 4G, 512M, 0 = off; auto: $HOTSTART_PREFIX_CACHE_DISK, else 4G",
-        type=byte_size)
+        type=byte_size_or_auto)
     tensor_parallel_size: int = option(
         1, "ranks the model is split over (tensor parallel, one process each, forked from the one "
            "forkserver: gloo on CPU, NCCL on CUDA with rank r on cuda:r); the attention and KV heads must be "
@@ -92,6 +94,15 @@ class EngineConfig:
     cursor_path: str | None = None  # LoadCursor file shared with the API process's prefetcher (None: none)
     background_load: bool = False  # other models serve: load and build the fast path at low CPU priority
     t0: float = 0.0  # launch time (time.time()) for the startup timeline
+    engine_restart_backoff: float = option(
+        5.0, "past the crash-loop limit (more than 5 engine deaths within 60 s) the server waits this long "
+             "before starting the engine again (503 + Retry-After meanwhile, /live 200), doubling while "
+             "the loop goes on, at most 5 minutes", type=seconds)
+    debug_fault: str | None = option(
+        None, "debugging, off unless set: ACTION@TOKEN_ID[,...] makes a request whose prompt holds that "
+              "token id fail on purpose: add (raise while adding it), step (raise in its forward), crash "
+              "(SIGKILL the engine in its step); rehearses what clients see (docs/reliability.md)",
+        type=lambda text: (parse_debug_faults(text), text)[1], metavar="ACTION@TOKEN_ID")
 
     def compile_bucket_sizes(self) -> tuple[int, ...]:
         """The buckets worth building: none above the most tokens a decode step can have."""
@@ -128,9 +139,10 @@ class ServeConfig:
     body_timeout: int = option(30, "seconds a request has to send its body once its headers are in",
                                type=at_least_one)
     min_free_memory: str = option(
-        "auto", "while MemAvailable is below this, new requests wait up to 1 s, then get 503 with "
-                "Retry-After instead of the engine meeting the OOM killer: bytes (512M, 2G), a percentage of "
-                "RAM, 0 (off), or auto (5%% of RAM, at most 1 GiB)", type=memory_amount)
+        "auto", "while the available memory (a cgroup's limit minus its working set, else MemAvailable) "
+                "is below this, new requests wait up to 1 s, then get 503 with Retry-After instead of the "
+                "engine meeting the OOM killer: bytes (512M, 2G), a percentage of the RAM (the cgroup's "
+                "limit, else MemTotal), 0 (off), or auto (5%% of it, at most 1 GiB)", type=memory_amount)
     prespawn: bool = option(True, "start the engine after the API is up, as a fresh interpreter (ablation)",
                             flag="--no-prespawn", action="store_false")
     prefetch: bool = option(True, "do not prefetch weights into the page cache (ablation)",
@@ -205,6 +217,23 @@ class ServeConfig:
         if serial_baseline():
             cfg = replace(cfg, prespawn=False, prefetch=False, import_prefetch=False, zygote="off")
         return cfg
+
+
+FAULT_ACTIONS = ("add", "step", "crash")
+
+
+def parse_debug_faults(text: str | None) -> dict[int, str]:
+    """--debug-fault's ACTION@TOKEN_ID[,...] as {token id: action} (empty: off); argparse's error if bad."""
+    import argparse  # noqa: PLC0415 - stdlib; only where the flag is set
+
+    out: dict[int, str] = {}
+    for item in text.split(",") if text else ():
+        action, _, token = item.strip().partition("@")
+        if action not in FAULT_ACTIONS or not token.isdigit():
+            raise argparse.ArgumentTypeError(
+                f"expected ACTION@TOKEN_ID with ACTION one of {', '.join(FAULT_ACTIONS)}, got {item!r}")
+        out[int(token)] = action
+    return out
 
 
 def serial_baseline() -> bool:

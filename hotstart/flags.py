@@ -88,12 +88,27 @@ def memory_amount(text: str) -> str:
 memory_amount.metavar = "SIZE"
 
 
-_BYTES = re.compile(r"auto|\d+(?:\.\d+)?(?:[kmgt]i?b?)?", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(?:ib|i|b)?", re.IGNORECASE)
 
 
-def byte_size(text: str) -> str:
-    """A size in bytes (4G, 512M, 0) or auto (kept as text: configs travel as plain data)."""
-    if _BYTES.fullmatch(text.strip()) is None:
+def byte_size(text: str) -> int:
+    """An argparse type: a positive number of bytes, plain or with a binary unit (512M, 1.5GiB, 8Gi, 2G:
+    K/M/G/T are powers of 1024, as in --min-free-memory)."""
+    m = _SIZE.fullmatch(str(text).strip())
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()]) if m else 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a size in bytes (1073741824, 512M, 2G), got {text!r}")
+    return value
+
+
+_BYTES_OR_AUTO = re.compile(r"auto|\d+(?:\.\d+)?(?:[kmgt]i?b?)?", re.IGNORECASE)
+
+
+def byte_size_or_auto(text: str) -> str:
+    """A size in bytes (4G, 512M, 0) or auto, kept as text (configs travel as plain data; the engine reads
+    it when it knows what auto means)."""
+    if _BYTES_OR_AUTO.fullmatch(text.strip()) is None:
         raise argparse.ArgumentTypeError(f"expected bytes (512M, 4G, 0) or auto, got {text!r}")
     return text.strip()
 
@@ -112,12 +127,12 @@ name.metavar = "NAME"
 
 def option(default: Any, help: str, *, flag: str | None = None, short: str | None = None,  # noqa: A002
            type: Any = None, choices: Any = None, action: str | None = None, env: str | None = None,  # noqa: A002
-           metavar: str | None = None) -> Any:
+           metavar: str | None = None, aliases: tuple[str, ...] = ()) -> Any:
     """A dataclass field that is also a command-line flag. ACTION "store_false" makes FLAG (e.g.
     --no-prefetch) switch a True default off; "boolean" makes --NAME / --no-NAME pairs (vLLM's style);
-    ENV names an environment variable for the default."""
+    ENV names an environment variable for the default; ALIASES are other spellings of the flag (vLLM's)."""
     meta = {"help": help, "flag": flag, "short": short, "type": type, "choices": choices, "action": action,
-            "env": env, "metavar": metavar}
+            "env": env, "metavar": metavar, "aliases": aliases}
     return dataclasses.field(default=default, metadata={"option": meta})
 
 
@@ -130,7 +145,8 @@ def add_options(parser: argparse.ArgumentParser | Any, cls, exclude: tuple[str, 
     for f, o in _options(cls):
         if f.name in exclude:
             continue
-        flags = [o["flag"] or "--" + f.name.replace("_", "-")] + ([o["short"]] if o["short"] else [])
+        flags = [o["flag"] or "--" + f.name.replace("_", "-"), *o.get("aliases", ())]
+        flags += [o["short"]] if o["short"] else []
         default = f.default
         if o["env"] and os.environ.get(o["env"]):
             default = os.environ[o["env"]]

@@ -133,7 +133,9 @@ def make_request(
 ) -> Req:
     """The request of KIND to MODEL (prompt, lengths and temperature drawn from RNG)."""
     prompt, n_tok = rng.choice(PROMPTS), rng.randint(min_tokens, max_tokens)
-    temp = {"temperature": rng.choice([0.0, 0.7])}
+    # a seed of its own: two clients' identical requests in flight at two engine deaths in a row would be
+    # taken for one poison request retried (frontend/crashes.py) and refused
+    temp = {"temperature": rng.choice([0.0, 0.7]), "seed": rng.randrange(1 << 31)}
     usage = {"stream": True, "stream_options": {"include_usage": True}}
     if kind == "chat":
         return Req(kind, model, CHAT, chat_body(model, prompt, n_tok, **temp))
@@ -157,7 +159,8 @@ def make_request(
             stream=True,
         )
     if kind == "n":
-        return Req(kind, model, CHAT, chat_body(model, prompt, n_tok, n=2, temperature=0.7), extra={"n": 2})
+        body = chat_body(model, prompt, n_tok, n=2, temperature=0.7, seed=temp["seed"])
+        return Req(kind, model, CHAT, body, extra={"n": 2})
     if kind == "json_schema":
         return Req(
             kind,

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Iterable
 
 from hotstart.boot.populate import METHODS
-from hotstart.system import mem_available  # noqa: F401 - re-exported: plan_for and callers use it here
+from hotstart.system import available_memory, mem_available  # noqa: F401 - mem_available re-exported
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -208,7 +208,7 @@ def choose_method(requested: str, info: StorageInfo) -> str:
     return requested
 
 
-def plan(info: StorageInfo, total_bytes: int, mem_available: int | None,
+def plan(info: StorageInfo, total_bytes: int, mem_available: int | None,  # noqa: F811 - the figure
          overrides: PrefetchOverrides | None = None) -> PrefetchPlan:
     """Choose whether and how to prefetch `total_bytes` of weights from storage `info`.
 
@@ -268,8 +268,8 @@ def plan(info: StorageInfo, total_bytes: int, mem_available: int | None,
 
 
 def plan_for(files: Iterable[str | os.PathLike], overrides: PrefetchOverrides | None = None) -> PrefetchPlan:
-    """Convenience for the serve command: detect the storage of the first file, size the files, read
-    MemAvailable, and plan."""
+    """Convenience for the serve command: detect the storage of the first file, size the files, read the
+    available memory (system.available_memory(): a cgroup's room, else MemAvailable), and plan."""
     files = list(files)
     total = 0
     for f in files:
@@ -278,4 +278,4 @@ def plan_for(files: Iterable[str | os.PathLike], overrides: PrefetchOverrides | 
         except OSError:
             pass  # the loader reports missing files; prefetch is best effort
     info = detect(files[0]) if files else StorageInfo("unknown", "", "")
-    return plan(info, total, mem_available(), overrides)
+    return plan(info, total, available_memory(), overrides)

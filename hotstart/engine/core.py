@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from hotstart.config import EngineConfig, ModelConfig
+from hotstart.engine import faults
 from hotstart.engine.admission import request_error
 from hotstart.engine.block_manager import BlockManager, freeable_window
 from hotstart.engine.build import SpanHook, load
@@ -27,6 +27,7 @@ from hotstart.engine.placement import Placement
 from hotstart.engine.sampler import Sampler, prompt_logprobs
 from hotstart.engine.scheduler import Scheduler
 from hotstart.engine.sequence import Sequence
+from hotstart.engine.step_guard import Scheduled, fail, guarded
 from hotstart.messages import EngineRequest, EngineStats, TokenLogprobs, TokenOutput
 from hotstart.sampling_params import SamplingParams
 
@@ -41,32 +42,6 @@ def choice_seed(seed: int, index: int) -> int:
     """Choice INDEX of a seeded request samples with seed + index (wrapped to torch's seed range)."""
     s = seed + index
     return s - UINT64 if s >= UINT64 else s
-
-
-@dataclass
-class Scheduled:
-    """One step's work, as schedule() leaves it for execute() and update()."""
-
-    batch: list[tuple[Sequence, int]]  # [B] (sequence, new tokens this step)
-    sampling: list[bool]  # [B] all its tokens computed after this step: it samples
-    prompt_positions: list[range] | None  # [B] prompt tokens whose logprobs it yields; None: none asked
-    drafts: list[int] | None = None  # [B] draft tokens verified (after its last token); None: no drafts
-
-    @property
-    def want_logits(self) -> list[bool]:
-        """[B] the entry's logits at its last token (sampling without a draft)."""
-        if self.drafts is None:
-            return self.sampling
-        return [w and not d for w, d in zip(self.sampling, self.drafts, strict=True)]
-
-    @property
-    def all_logits(self) -> list[bool] | None:
-        """[B] the entry's logits at every new token (prompt logprobs, or a draft to verify)."""
-        if not self.prompt_positions and self.drafts is None:
-            return None
-        prompt = self.prompt_positions or [range(0)] * len(self.batch)
-        drafts = self.drafts or [0] * len(self.batch)
-        return [bool(p) or d > 0 for p, d in zip(prompt, drafts, strict=True)]
 
 
 class EngineCore:
@@ -85,6 +60,8 @@ class EngineCore:
         self._num_prompt_logprobs = 0  # live sequences still collecting prompt logprobs
         self.grammars: Grammars | None = None  # built by the first constrained request (engine/grammar.py)
         self.spec = None  # the NgramSpeculator of --speculative-config (engine/spec_decode.py)
+        self.stage = "forward"  # how far a step got: block copies, forward, sampling, token bookkeeping
+        self.faults = faults.parse(cfg.debug_fault)  # --debug-fault: token id -> action (off: empty)
         if cfg.speculative_config:
             from hotstart.engine.spec_decode import NgramSpeculator  # noqa: PLC0415
             from hotstart.spec_config import SpecConfig  # noqa: PLC0415 - only with the option
@@ -102,19 +79,28 @@ class EngineCore:
 
     # --- requests -------------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> TokenOutput | None:
-        """Queue REQ; returns an error output instead if it can never run."""
+        """Queue REQ; returns an error output instead if it can never run, or if adding it failed (what it
+        set up is dropped: the engine serves on)."""
         error = request_error(req, self.cfg, self.model_cfg, self.max_model_len, self.blocks,
                               req.request_id in self.requests)
         if error:
             return TokenOutput(req.request_id, [], "error", error)
+        try:
+            return self._add(req)
+        except Exception as e:  # noqa: BLE001 - this request alone
+            return fail(self, req.request_id, e, "while it was added")
+
+    def _add(self, req: EngineRequest) -> None:
+        if self.faults:
+            faults.check(self.faults, "add", req.prompt_token_ids)
         n_prompt = len(req.prompt_token_ids)
         seq = Sequence(req.request_id, list(req.prompt_token_ids), n_prompt, req.params,
                        self._generator(req.params, 0), forks_pending=req.params.n - 1)
+        self.requests[req.request_id] = [seq]  # first: a failure below is undone by abort()
         if req.params.prompt_logprobs is not None and n_prompt > 1:
             seq.skip_prefix_cache, seq.max_chunk, seq.prompt_logprobs = True, PROMPT_LOGPROBS_CHUNK, []
             self._num_prompt_logprobs += 1
         self.sampler.register(seq)
-        self.requests[req.request_id] = [seq]
         if req.params.grammar is None:
             self.scheduler.add(seq)
         else:  # scheduled once its matcher is compiled (off this loop); other streams step meanwhile
@@ -218,7 +204,7 @@ class EngineCore:
         outputs = self._admit_compiled()
         scheduled = self._schedule()
         if scheduled is not None:
-            outputs += self._update(scheduled, self._execute(scheduled))
+            outputs += guarded(self, scheduled)  # a failure ends the requests it is traced to
         return outputs
 
     def _schedule(self) -> Scheduled | None:
@@ -241,9 +227,13 @@ class EngineCore:
     def _execute(self, s: Scheduled) -> torch.Tensor | None:
         """The block copies the scheduler asked for, then the forward: float32 logits [N, V], the N
         sampling rows first, then each prompt-logprob entry's [n_i, V] (ModelRunner.forward)."""
+        self.stage = "block copies"
         copies = self.blocks.take_copies()
         if copies:
             self.executor.copy_blocks(copies)
+        self.stage = "forward"
+        if self.faults:
+            faults.check_step(self.faults, s.batch)
         return self.executor.execute(s.batch, s.want_logits, s.all_logits)
 
     def _update(self, s: Scheduled, logits: torch.Tensor | None) -> list[TokenOutput]:
@@ -251,6 +241,7 @@ class EngineCore:
         sequences whose tokens are all computed (forking n > 1 requests first), verify the drafts, and
         report them."""
         want, all_logits = s.want_logits, s.all_logits
+        self.stage = "sampling"  # until _sample commits: undone and retried on a failure (step_guard)
         if s.prompt_positions:
             self._collect_prompt_logprobs(s.batch, s.prompt_positions, all_logits, logits, sum(want))
         self._advance(s.batch, s.drafts)
@@ -259,8 +250,13 @@ class EngineCore:
         if sampled:
             plain, sampled = self._fork_at_first_sample(logits[:len(sampled)], sampled)
             tokens, logprobs = self._sample(plain, sampled)
-            outputs = [self._append(seq, token, logprobs[i] if logprobs is not None else None)
-                       for i, (seq, token) in enumerate(zip(sampled, tokens))]
+            for i, (seq, token) in enumerate(zip(sampled, tokens)):
+                if seq.request_id not in self.requests:  # failed with another of its choices
+                    continue
+                try:
+                    outputs.append(self._append(seq, token, logprobs[i] if logprobs is not None else None))
+                except Exception as e:  # noqa: BLE001 - this request alone
+                    outputs.append(fail(self, seq.request_id, e, "in the token bookkeeping"))
         if s.drafts:
             outputs += self._verify(s, all_logits, logits, sum(want))
         return outputs
@@ -269,6 +265,7 @@ class EngineCore:
                 ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
         """One token per row of LOGITS [len(SEQS), V]; the grammars take them."""
         tokens, logprobs = self.sampler.sample(logits, seqs)
+        self.stage = "token bookkeeping"  # the sampler's counts moved, matchers move next: no undoing now
         if self.sampler.num_constrained:
             self.grammars.consume(seqs, tokens)
         return tokens, logprobs
@@ -278,6 +275,7 @@ class EngineCore:
         """The drafted entries of S: position by position (all of them at once), sample from the logits
         at it as a plain decode would and go on while the token equals the draft's
         (engine/spec_decode.py); then roll the sequences back to what they accepted and report them."""
+        self.stage = "token bookkeeping"
         entries: list[tuple[Sequence, list[int], int]] = []  # (sequence, draft, its first logits row)
         for (seq, n), extra, k in zip(s.batch, all_logits, s.drafts, strict=True):
             if k:

@@ -10,10 +10,10 @@ import torch
 from hotstart.config import EngineConfig, ModelConfig
 from hotstart.engine.block_manager import blocks_for
 from hotstart.errors import HotstartError
-from hotstart.system import mem_available, native_cpu_dtypes
+from hotstart.system import available_memory_detail, native_cpu_dtypes
 
-CPU_KV_CACHE_CAP = 4 << 30  # the CPU KV cache where MemAvailable is unknown
-CPU_KV_MEMORY_FRACTION = 0.5  # of what MemAvailable leaves beside the weights (activations, other processes)
+CPU_KV_CACHE_CAP = 4 << 30  # the CPU KV cache where available memory is unknown
+CPU_KV_MEMORY_FRACTION = 0.5  # of what available memory leaves beside the weights (activations, others)
 
 
 @dataclass(frozen=True)
@@ -56,18 +56,20 @@ def max_model_len_for(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
     return cfg.max_model_len
 
 
-def cpu_kv_budget(need: int, one_seq: int, mem_available: int | None, weight_bytes: int) -> tuple[int, str]:
+def cpu_kv_budget(need: int, one_seq: int, available: int | None, weight_bytes: int,
+                  source: str = "MemAvailable") -> tuple[int, str]:
     """(bytes, why) of a CPU KV cache: NEED (max_num_seqs x max_model_len), capped at
-    CPU_KV_MEMORY_FRACTION of what MemAvailable leaves beside the weights, never below ONE_SEQ (one
-    max_model_len sequence). WEIGHT_BYTES: the weights living in the page cache (zero-copy views):
-    MemAvailable counts page-cache pages as available, mapped or not, so they are taken out of it
-    (mlocked ones, as a zygote's --keep, are not in MemAvailable: then this is conservative).
-    MemAvailable unknown: CPU_KV_CACHE_CAP. HotstartError when not even ONE_SEQ fits."""
-    if mem_available is None:
+    CPU_KV_MEMORY_FRACTION of what AVAILABLE (system.available_memory(): MemAvailable, or a cgroup's
+    limit minus its working set; SOURCE says which) leaves beside the weights, never below ONE_SEQ (one
+    max_model_len sequence). WEIGHT_BYTES: the weights living in the page cache (zero-copy views): both
+    figures count page-cache pages as available (MemAvailable: mapped or not; a cgroup: while inactive),
+    so they are taken out of it (mlocked or active ones are not counted: then this is conservative).
+    AVAILABLE unknown: CPU_KV_CACHE_CAP. HotstartError when not even ONE_SEQ fits."""
+    if available is None:
         return max(one_seq, min(need, CPU_KV_CACHE_CAP)), \
-            f"MemAvailable unknown: at most {_gib(CPU_KV_CACHE_CAP)}"
-    free = mem_available - weight_bytes
-    beside = f"MemAvailable {_gib(mem_available)}"
+            f"available memory unknown: at most {_gib(CPU_KV_CACHE_CAP)}"
+    free = available - weight_bytes
+    beside = f"{source} {_gib(available)}"
     if weight_bytes:
         beside += f" - weights {_gib(weight_bytes)}"
     if one_seq > free:
@@ -95,6 +97,10 @@ def kv_cache_blocks(cfg: EngineConfig, per_token: int, max_model_len: int, devic
     one_seq = blocks_for(max_model_len, cfg.block_size) * block_bytes
     if cfg.kv_cache_memory is not None:
         budget, why = cfg.kv_cache_memory, "--kv-cache-memory"
+        available, source = available_memory_detail() if device.type == "cpu" else (None, "")
+        if available is not None and budget > available - weight_bytes:  # allocated lazily: it may still run
+            left = _gib(max(0, available - weight_bytes))
+            why += f" (more than the {left} that {source} leaves beside the weights)"
     elif device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         used = total - free
@@ -102,7 +108,8 @@ def kv_cache_blocks(cfg: EngineConfig, per_token: int, max_model_len: int, devic
         why = f"--gpu-memory-utilization {cfg.gpu_memory_utilization} of {_gib(total)}, {_gib(used)} in use"
     else:
         need = blocks_for(cfg.max_num_seqs * max_model_len, cfg.block_size) * block_bytes
-        budget, why = cpu_kv_budget(need, one_seq, mem_available(), weight_bytes)
+        available, source = available_memory_detail()
+        budget, why = cpu_kv_budget(need, one_seq, available, weight_bytes, source)
     blocks = budget // block_bytes
     if blocks < blocks_for(max_model_len, cfg.block_size):
         raise HotstartError(

@@ -216,14 +216,15 @@ class Sampler:
         for transform in self.transforms:
             logits = transform(logits, seqs)
         tokens = sample(logits, seqs)
+        out: list[TokenLogprobs | None] | None = None
+        if raw is not None:
+            out = [None] * len(seqs)
+            ks = [seqs[i].params.logprobs for i in lp_rows]
+            for i, lp in zip(lp_rows, _top(raw, [tokens[i] for i in lp_rows], ks), strict=True):
+                out[i] = lp
+        # the counts move last: a failure above leaves the sampler as it was (engine/step_guard.py)
         counted = [(s.sampling.count_row, t) for s, t in zip(seqs, tokens, strict=True)
                    if s.sampling is not None and s.sampling.count_row >= 0]
         if counted:
             self.counts.add([r for r, _ in counted], [t for _, t in counted])
-        if raw is None:
-            return tokens, None
-        out: list[TokenLogprobs | None] = [None] * len(seqs)
-        ks = [seqs[i].params.logprobs for i in lp_rows]
-        for i, lp in zip(lp_rows, _top(raw, [tokens[i] for i in lp_rows], ks), strict=True):
-            out[i] = lp
         return tokens, out

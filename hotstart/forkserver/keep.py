@@ -3,8 +3,9 @@
 Each weight file and sidecar is mapped read-only (MAP_SHARED: the page cache's own pages, no copy) and
 mlock'ed, which reads it in once and keeps its pages from being reclaimed under other processes'
 memory pressure. The RAM guard is the prefetcher's (hotstart.boot.storage): never lock more than
-DEFAULT_RAM_FRACTION of MemAvailable. Where mlock is refused (RLIMIT_MEMLOCK, `ulimit -l`) the files
-stay mapped and are read in (MADV_POPULATE_READ) but may be evicted, and the log line says so.
+DEFAULT_RAM_FRACTION of the available memory (system.available_memory(): a cgroup's room, else
+MemAvailable). Where mlock is refused (RLIMIT_MEMLOCK, `ulimit -l`) the files stay mapped and are read
+in (MADV_POPULATE_READ) but may be evicted, and the log line says so.
 Torch-free (ctypes + os); runs in the zygote's main thread before it listens.
 """
 
@@ -17,7 +18,8 @@ import resource
 from dataclasses import dataclass, field
 
 from hotstart.boot.residency import resident_bytes
-from hotstart.boot.storage import DEFAULT_RAM_FRACTION, mem_available
+from hotstart.boot.storage import DEFAULT_RAM_FRACTION
+from hotstart.system import available_memory
 
 MADV_POPULATE_READ = 22  # Linux >= 5.14; older kernels: MADV_WILLNEED
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -86,8 +88,8 @@ def _map(path: str) -> tuple[int, int]:
 def keep(models: list[tuple[str, list[str]]], log, available: int | None = None,
          fraction: float = DEFAULT_RAM_FRACTION) -> list[Kept]:
     """Map and lock MODELS ([(folder, files)]) in order while the RAM guard allows; LOG(line) says what
-    was not locked and why. AVAILABLE: MemAvailable in bytes (default: read now)."""
-    available = mem_available() if available is None else available
+    was not locked and why. AVAILABLE: bytes (default: system.available_memory() now)."""
+    available = available_memory() if available is None else available
     budget = int(available * fraction) if available else 0
     out, locked_total, refused = [], 0, ""
     for path, files in models:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 from hotstart.boot.timeline import Timeline
 
 if TYPE_CHECKING:
+    from hotstart.errors import RequestError
     from hotstart.messages import EngineReady, EngineStats, FastPathStatus, TokenOutput
     from hotstart.sampling_params import SamplingParams
 
@@ -65,6 +66,12 @@ class EngineClient(Protocol):
     """What is built behind READY (engine process only; None in process)."""
     timeline: Timeline
     """Startup phases, and the marks the HTTP layer adds."""
+    retry_after: float | None
+    """Seconds until the engine starts again while the server backs off from a crash loop, else None."""
+
+    def refusal(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestError | None:
+        """The error a request is refused with before it reaches the engine (a poison request: in flight
+        at two engine deaths in a row, frontend/crashes.py), else None."""
 
     async def start(self) -> None:
         """Begin serving (inside the event loop)."""

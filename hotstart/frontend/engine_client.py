@@ -20,6 +20,7 @@ import zmq.asyncio
 
 from hotstart.boot.timeline import Timeline
 from hotstart.config import EngineConfig
+from hotstart.errors import RequestError
 from hotstart.forkserver.client import EngineLauncher
 from hotstart.frontend.client import EngineDeadError, RequestOutputs
 from hotstart.frontend.supervisor import EngineSupervisor
@@ -56,6 +57,7 @@ class ProcessEngineClient:
         self.stats = EngineStats()
         self.fast_path: FastPathStatus | None = None  # what is built behind READY (engine/fastpath.py)
         self._queues: dict[str, asyncio.Queue] = {}
+        self._requests: dict[str, tuple[list[int], SamplingParams]] = {}  # in flight: what a death reports
         self._ctx: zmq.asyncio.Context | None = None
         self._push = self._pull = None
         self._reader_task: asyncio.Task | None = None
@@ -76,6 +78,13 @@ class ProcessEngineClient:
     @property
     def server_info(self) -> ServerInfo | None:
         return self.supervisor.server_info
+
+    @property
+    def retry_after(self) -> float | None:
+        return self.supervisor.retry_after
+
+    def refusal(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestError | None:
+        return self.supervisor.crashes.refusal(prompt_token_ids, params)
 
     @property
     def on_fatal(self) -> Callable[[str], None] | None:
@@ -123,10 +132,14 @@ class ProcessEngineClient:
     def _on_replace(self) -> None:
         self.fast_path = None  # the replacement builds its own
 
+    def in_flight(self) -> dict[str, tuple[list[int], SamplingParams]]:
+        return dict(self._requests)
+
     def fail_requests(self, message: str) -> None:
         for q in self._queues.values():
             q.put_nowait(EngineDeadError(message))
         self._queues.clear()
+        self._requests.clear()
 
     async def _read_outputs(self, sock) -> None:
         while True:
@@ -157,7 +170,7 @@ class ProcessEngineClient:
             self.info = msg
             self.supervisor.engine_ready()
         elif isinstance(msg, EngineFailed):
-            self.supervisor.fail(msg.message)
+            self.supervisor.engine_failed(msg.message)
 
     def begin_shutdown(self) -> None:
         """The server is stopping: engine or forkserver exits from now on are expected, not failures."""
@@ -188,14 +201,18 @@ class ProcessEngineClient:
         """See EngineClient.generate (frontend/client.py); closing early frees the request's KV blocks."""
         if not self.ready:
             raise EngineDeadError(self.fatal or f"engine not ready ({self.status})")
+        if (refused := self.refusal(prompt_token_ids, params)) is not None:  # the HTTP layer asked first
+            raise EngineDeadError(refused.message)
         stream = RequestOutputs(params.n)
         self._queues[request_id] = stream.queue
+        self._requests[request_id] = (prompt_token_ids, params)
         try:
             await self._push.send(encoder.encode(EngineRequest(request_id, list(prompt_token_ids), params)))
             async for out in stream:
                 yield out
         finally:
             self._queues.pop(request_id, None)
+            self._requests.pop(request_id, None)
             if not stream.finished and self.ready:
                 await self.abort(request_id)
 

@@ -35,6 +35,7 @@ class InProcessEngineClient:
         self.core, self.timeline = core, timeline
         self.ready, self.status, self.fatal = False, "starting", None
         self.fast_path: FastPathStatus | None = None  # the eager path only: nothing is built behind
+        self.retry_after: float | None = None  # never backs off: this process is the engine
         self.info = EngineReady(os.getpid(), str(core.placement.device),
                                 str(core.placement.dtype).removeprefix("torch."), core.max_model_len,
                                 core.cfg.block_size, core.blocks.num_blocks, core.cfg.max_num_seqs)
@@ -141,6 +142,10 @@ class InProcessEngineClient:
             self._wake.notify()
 
     # --- requests ---------------------------------------------------------------------------
+    def refusal(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Nothing is refused before the engine: an engine death here is this process's."""
+        return None
+
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[TokenOutput]:
         if not self.ready:

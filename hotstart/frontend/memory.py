@@ -1,14 +1,15 @@
 """Memory pressure (torch-free, stdlib + the gate's response helpers): new work is held back while the
 machine runs out of memory, and an engine death by SIGKILL is explained.
 
-- `MemoryGuard` (server/gate.py asks it before every POST): while MemAvailable (/proc/meminfo, read at
-  most every SAMPLE_S) is below --min-free-memory, a new request waits up to WAIT_S for memory to come
-  back, then gets 503 in OpenAI's error shape with Retry-After. Requests in flight are untouched; the
+- `MemoryGuard` (server/gate.py asks it before every POST): while the available memory
+  (system.available_memory(): a cgroup's limit minus its working set, else MemAvailable; read at most every
+  SAMPLE_S) is below --min-free-memory, a new request waits up to WAIT_S for memory to come back, then
+  gets 503 in OpenAI's error shape with Retry-After. Requests in flight are untouched; the
   engine's KV blocks are committed as they are first used (engine/block_manager.py), so refusing new work
   is what keeps the OOM killer off the engine.
 - `exit_cause(code, pid)`: for an engine killed by SIGKILL, what killed it as far as this process can
   tell: the kernel's OOM message for that pid (/dev/kmsg, where readable), the cgroup's oom_kill counter
-  (memory.events on cgroup v2, memory.oom_control on v1), else MemAvailable before the death.
+  (memory.events on cgroup v2, memory.oom_control on v1), else the available memory before the death.
 """
 
 from __future__ import annotations
@@ -19,30 +20,24 @@ import signal
 import time
 
 from hotstart.errors import RequestError
-from hotstart.system import mem_available
+from hotstart.system import available_memory, memory_limit
 
-SAMPLE_S = 0.5  # MemAvailable is read at most this often (a read of /proc/meminfo costs ~20 us)
+SAMPLE_S = 0.5  # available memory is read at most this often (/proc/meminfo and cgroup files: ~50 us)
 WAIT_S = 1.0  # a request under pressure waits this long for memory before its 503
 POLL_S = 0.25
 RETRY_AFTER_S = 2
-AUTO_FRACTION, AUTO_CAP = 0.05, 1 << 30  # --min-free-memory auto: 5% of MemTotal, at most 1 GiB
+AUTO_FRACTION, AUTO_CAP = 0.05, 1 << 30  # --min-free-memory auto: 5% of the RAM, at most 1 GiB
 KMSG_MAX_RECORDS = 100_000  # bounds the kernel-log scan (the ring buffer holds far fewer)
 
 
 def mem_total() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    """The RAM this server may use: its cgroup's limit, else MemTotal (system.memory_limit())."""
+    return memory_limit().total
 
 
 def min_free_bytes(text: str, total: int | None = None) -> int:
     """--min-free-memory (flags.memory_amount's text) in bytes; 0: no check. Percentages and `auto` are
-    of MemTotal (no check where it is unknown)."""
+    of the RAM this server may use (a cgroup's limit, else MemTotal; no check where it is unknown)."""
     text = text.strip().lower()
     if text == "auto" or text.endswith("%"):
         total = mem_total() if total is None else total
@@ -58,10 +53,10 @@ def min_free_bytes(text: str, total: int | None = None) -> int:
 
 
 class Sampler:
-    """MemAvailable, read at most every SAMPLE_S; `last` keeps the latest reading and its time (what an
-    OOM death is reported with)."""
+    """The available memory (system.available_memory()), read at most every SAMPLE_S; `last` keeps the
+    latest reading and its time (what an OOM death is reported with)."""
 
-    def __init__(self, read=mem_available, every: float = SAMPLE_S) -> None:
+    def __init__(self, read=available_memory, every: float = SAMPLE_S) -> None:
         self.read, self.every = read, every
         self.last: tuple[int | None, float] = (None, 0.0)  # (bytes, time.monotonic())
 
@@ -82,14 +77,14 @@ def _mib(n: int | None) -> str:
 
 
 class MemoryGuard:
-    """Admission against MemAvailable: `await admit()` is None (go on) or the 503 to answer."""
+    """Admission against the available memory: `await admit()` is None (go on) or the 503 to answer."""
 
     def __init__(self, min_free: int, sampler: Sampler = SAMPLER, wait_s: float = WAIT_S) -> None:
         self.min_free, self.sampler, self.wait_s = min_free, sampler, wait_s
         self.refused = 0
 
     def short(self) -> int | None:
-        """MemAvailable if it is below the threshold, else None (unknown counts as enough)."""
+        """The available memory if it is below the threshold, else None (unknown counts as enough)."""
         free = self.sampler.available()
         return free if free is not None and free < self.min_free else None
 
@@ -119,22 +114,8 @@ def memory_guard(flag: str) -> MemoryGuard | None:
 # ---- why an engine was SIGKILLed -------------------------------------------------------------------
 def _cgroup_files() -> list[str]:
     """Where this process's cgroup counts OOM kills: v2 memory.events, v1 memory.oom_control."""
-    paths = {"": "/"}
-    try:
-        with open("/proc/self/cgroup") as f:
-            for line in f:
-                _, controllers, path = line.rstrip("\n").split(":", 2)
-                paths["memory" if "memory" in controllers.split(",") else controllers] = path
-    except (OSError, ValueError):
-        pass
-    v2, v1 = paths.get("", "/").strip("/"), paths.get("memory", "/").strip("/")
-    candidates = [
-        f"/sys/fs/cgroup/{v2}/memory.events",
-        "/sys/fs/cgroup/memory.events",
-        f"/sys/fs/cgroup/memory/{v1}/memory.oom_control",
-        "/sys/fs/cgroup/memory/memory.oom_control",
-    ]
-    return [p.replace("//", "/") for p in candidates]
+    return [os.path.join(folder, "memory.events" if version == 2 else "memory.oom_control")
+            for version, folder in memory_limit().oom_folders()]
 
 
 def oom_kills() -> int | None:
@@ -155,7 +136,7 @@ _OOM_BASELINE: list[int | None] = []  # the counter when the server started (pri
 
 
 def prime() -> None:
-    """Read the baseline of the OOM-kill counter and MemAvailable (the server calls it once at start)."""
+    """Read the baseline of the OOM-kill counter and the available memory (the server calls it at start)."""
     if not _OOM_BASELINE:
         _OOM_BASELINE.append(oom_kills())
     SAMPLER.available()
@@ -200,6 +181,6 @@ def exit_cause(code: int | None, pid: int | None = None) -> str:
     before, at = SAMPLER.last
     ago = f" {time.monotonic() - at:.0f} s before" if before is not None else ""
     return (
-        f": killed by SIGKILL (possibly the OOM killer: MemAvailable was {_mib(before)}{ago}, "
-        f"{_mib(mem_available())} now)"
+        f": killed by SIGKILL (possibly the OOM killer: available memory was {_mib(before)}{ago}, "
+        f"{_mib(available_memory())} now)"
     )

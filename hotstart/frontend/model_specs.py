@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hotstart.errors import HotstartError
-from hotstart.flags import at_least_one, option
+from hotstart.flags import at_least_one, byte_size, option
 
 # a served model name: what --served-model-name and NAME=s3:// accept (boot/remote/url.py)
 _NAME = re.compile(r"^[A-Za-z0-9_.\-][A-Za-z0-9_.:\-/]{0,127}$")
@@ -111,8 +111,10 @@ class ModelsConfig:
                              type=duration_flag)
     max_waiting_requests: int = option(64, "requests that may wait for a model to load; more get 503 with "
                                            "Retry-After", type=at_least_one)
-    models_memory: int | None = option(None, "bytes the loaded models may use together (weights + KV cache; "
-                                             "default: MemAvailable at start)", type=at_least_one)
+    models_memory: int | None = option(
+        None, "bytes the loaded models may use together, e.g. 16G (weights + KV cache; default: what is "
+              "available at start: a cgroup's limit minus its working set, else MemAvailable)",
+        type=byte_size)
     pin: tuple[str, ...] | None = option(
         None, "keep this model loaded: loaded at start, never evicted, never unloaded by keep-alive (only "
               "POST /v1/models/NAME/unload); repeatable or comma-separated", action="append")

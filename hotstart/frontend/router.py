@@ -3,9 +3,10 @@
 
 A ModelRecord's state is a State, changed only by transition(): unloaded -> loading -> loaded ->
 unloaded (idle past its keep-alive, evicted, or unloaded by POST /v1/models/{name}/unload), and
-loading / loaded -> failed (the engine could not start, or died in a crash loop: the supervisor gave
-up). A failed model is loaded again by the first request after a backoff that doubles per failure;
-requests before that get the failure at once. An engine that dies while loaded is replaced by its
+loading / loaded -> failed (the engine could not start: the supervisor gave up; an engine in a crash
+loop is not failed: its supervisor backs off and starts it again, its requests get 503 meanwhile). A
+failed model is loaded again by the first request after a backoff that doubles per failure; requests
+before that get the failure at once. An engine that dies while loaded is replaced by its
 supervisor (frontend/supervisor.py) as with one model; its requests wait for the replacement.
 
 Room: at most --max-loaded-models engines (those being stopped count), at most the memory budget
@@ -322,7 +323,7 @@ class ModelRouter:
             self._spawn(self._close(client, rec.cost))
 
     def engine_fatal(self, rec: ModelRecord, message: str) -> None:
-        """The supervisor gave up on REC's engine (it could not start, or died in a loop)."""
+        """The supervisor gave up on REC's engine (it could not start, or --no-restart)."""
         if rec.state in (State.LOADING, State.LOADED):
             transition(rec, State.FAILED, message)
             self._close_later(rec)

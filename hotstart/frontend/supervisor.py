@@ -4,7 +4,11 @@ It watches the launcher (forkserver socket, or a poll of a directly spawned engi
 death means: when the engine dies, every in-flight request fails at once, /health turns 503, and a new
 engine is forked from the warm forkserver (new socket names, so nothing stale reaches it). When the
 forkserver itself dies (an OOM kill of the process tree), a fresh forkserver is started and the engine
-with it; clients see 503 until it is ready. Deaths in a tight loop end the server (fatal).
+with it; clients see 503 until it is ready. Deaths in a tight loop (more than 5 within 60 s) do not end
+the server: it backs off (frontend/crashes.py: /health and requests 503 with Retry-After, /live 200) and
+starts the engine again after a delay that grows while the loop goes on. Every death logs the requests
+in flight; one in flight at two deaths in a row is refused when retried (a poison request). A death
+before the first READY (the engine cannot start) and --no-restart still end the server.
 An engine forked by a zygote reports the same events; a zygote that dies (or does not fork) before the
 first READY is replaced by a local forkserver as if there had been none, whatever --no-restart says.
 With tensor parallelism the engine is a group of ranks (the API process talks to rank 0): the death of
@@ -36,13 +40,12 @@ from hotstart import heartbeat
 from hotstart.boot.timeline import Timeline
 from hotstart.config import EngineConfig
 from hotstart.forkserver.client import EngineLauncher
+from hotstart.frontend.crashes import CrashLog
 from hotstart.frontend.memory import exit_cause
 from hotstart.messages import RANK_LEFT, EngineExited, EngineSpawned, ForkserverExited, ServerInfo, Span
 
 log = logging.getLogger("hotstart")
 DIRECT_POLL_S = 0.1  # exit check of a directly spawned engine (no forkserver socket to watch)
-RESTART_WINDOW_S = 60.0
-MAX_RESTARTS_IN_WINDOW = 5  # more deaths than this within the window: give up (a crash loop)
 FORK_TIMEOUT_S = 10.0  # a forkserver or zygote that preloaded forks in ms: one silent this long is replaced
 PRELOAD_TIMEOUT_S = 180.0  # a fresh forkserver's torch + engine import, cold, on a loaded machine
 STARTUP_SILENCE_S = 60.0  # the heartbeat limit until READY (at least --engine-heartbeat-timeout)
@@ -64,6 +67,9 @@ class Transport(Protocol):
     def bind(self) -> None:
         """Bind the launcher's current addresses (those of the engine generation just asked for)."""
 
+    def in_flight(self) -> dict:
+        """{request id: (prompt token ids, SamplingParams)} of the requests in flight."""
+
 
 class EngineSupervisor:
     """One engine's launcher events, restart policy, recovery timing and fatal state."""
@@ -82,8 +88,9 @@ class EngineSupervisor:
         self.on_ready: Callable[[], None] | None = None
         self.on_replace: Callable[[], None] | None = None  # a new generation is being started
         self.closing = False
+        self.crashes = CrashLog(cfg.engine_restart_backoff)  # deaths, backoff, poison requests
         self._died_at: float | None = None
-        self._deaths: list[float] = []
+        self._retry: asyncio.TimerHandle | None = None  # the engine's start after a backoff
         self._watch_task: asyncio.Task | None = None
         self._liveness_task: asyncio.Task | None = None
         self._reader_fd: int | None = None
@@ -108,9 +115,16 @@ class EngineSupervisor:
         self.on_launcher_event()
         self._liveness_task = asyncio.ensure_future(self._watch_liveness())
 
+    @property
+    def retry_after(self) -> float | None:
+        """Seconds until the engine starts again while the server backs off from a crash loop, else None."""
+        return self.crashes.retry_after(time.monotonic())
+
     def stop(self) -> None:
         """Stop watching (the server is closing)."""
         self.closing = True
+        if self._retry is not None:
+            self._retry.cancel()
         self._unwatch_launcher()
         for task in (self._watch_task, self._liveness_task):
             if task is not None:
@@ -147,7 +161,7 @@ class EngineSupervisor:
 
     def check_liveness(self, now: float) -> None:
         """Kill and replace a silent engine, or a forkserver that does not fork (see the module docstring)."""
-        if self.closing or self.fatal:
+        if self.closing or self.fatal or self._retry is not None:  # backing off: no engine is asked for
             return
         pids = dict(self.launcher.engine_pids)
         if not pids:
@@ -218,9 +232,9 @@ class EngineSupervisor:
                 self._engine_died(f"{self.launcher.last_lost} exited{code}", forkserver_dead=True)
 
     def _engine_died(self, what: str, forkserver_dead: bool, killed: bool = False) -> None:
-        """WHAT ended the engine (KILLED: the supervisor killed it, see check_liveness): fail its requests,
-        then replace it or give up."""
-        if self.fatal:
+        """WHAT ended the engine (KILLED: the supervisor killed it, see check_liveness): report and fail its
+        requests, then replace it, back off (a crash loop), or give up (no restart)."""
+        if self.fatal or self._retry is not None:  # backing off: its exit was counted already
             return
         was_ready, self.ready = self.ready, False
         if (forkserver_dead and self.launcher.last_lost == "zygote" and not was_ready
@@ -228,30 +242,55 @@ class EngineSupervisor:
             log.warning("hotstart: %s during startup; starting a local forkserver", what)
             self.timeline.mark("zygote lost", "api", what)
             return self._replace(forkserver_dead=True)
-        now = time.time()
-        self._deaths = [t for t in self._deaths if now - t < RESTART_WINDOW_S] + [now]
         # died during startup: a replacement would only die the same way
         restart = self.auto_restart and (was_ready or self._died_at is not None)
-        crash_loop = restart and len(self._deaths) > MAX_RESTARTS_IN_WINDOW
-        outcome = (": killed, restarting" if restart and not crash_loop else ": killed") if killed else ""
+        now = time.monotonic()
+        report = self.crashes.record(what, self.transport.in_flight(), now)
+        loop = restart and self.crashes.crash_loop()
+        outcome = (": killed, restarting" if restart and not loop else ": killed") if killed else ""
         log.error("hotstart: %s%s", what, outcome)
+        log.error(report)
         self.transport.fail_requests(what)
         if not restart:
             return self._fail_unless_told_why(what, wait=not killed)
-        if crash_loop:
-            return self.fail(
-                f"{what}; {len(self._deaths)} engine deaths within {RESTART_WINDOW_S:.0f} s, giving up"
-            )
-        self._died_at = self._died_at or now
+        self._died_at = self._died_at or time.time()
         self.restarts += 1
-        self.status = "restarting"
         if self.on_replace is not None:
             self.on_replace()
+        if loop:
+            return self._back_off(what, forkserver_dead, killed, now)
+        self.status = "restarting"
         self._replace(forkserver_dead, killed)
 
-    def _replace(self, forkserver_dead: bool, killed: bool = False) -> None:
-        """A new engine generation (and a fresh forkserver if it died), on new sockets."""
+    def _back_off(self, what: str, forkserver_dead: bool, killed: bool, now: float) -> None:
+        """A crash loop: the dead engine's sockets and stragglers go now, the next engine after a delay."""
+        delay = self.crashes.backoff(now)
+        self.status = (f"backoff: a crash loop ({self.crashes.deaths} engine deaths, the last: {what}); "
+                       f"the engine starts again in {delay:.0f} s")
+        log.error("hotstart: engine crash loop: backing off, the engine starts again in %.0f s (requests get "
+                  "503 with Retry-After meanwhile)", delay)
         self.transport.unbind()
+        if self.cfg.tensor_parallel_size > 1 or killed:
+            self.launcher.stop_engine()
+
+        def retry() -> None:
+            self._retry = None
+            self.crashes.backoff_until = None
+            if self.closing or self.fatal:
+                return
+            self.status = "restarting"
+            log.info("hotstart: backoff over: starting the engine again")
+            self._replace(forkserver_dead, killed=False, unbound=True)
+
+        try:
+            self._retry = asyncio.get_running_loop().call_later(delay, retry)
+        except RuntimeError:  # no event loop (a caller outside the server): nothing to wait on
+            retry()
+
+    def _replace(self, forkserver_dead: bool, killed: bool = False, unbound: bool = False) -> None:
+        """A new engine generation (and a fresh forkserver if it died), on new sockets."""
+        if not unbound:
+            self.transport.unbind()
         if forkserver_dead and self.launcher.use_forkserver:
             self._unwatch_launcher()
             self._server_up_at = None
@@ -295,6 +334,7 @@ class EngineSupervisor:
 
     def engine_ready(self) -> None:
         self.ready, self.status = True, "ready"
+        self.crashes.ready(time.monotonic())
         if self._died_at is not None:
             took = time.time() - self._died_at
             self.recovery_seconds.append(took)
@@ -304,6 +344,13 @@ class EngineSupervisor:
         self.timeline.mark("engine ready", "engine")
         if self.on_ready is not None:
             self.on_ready()
+
+    def engine_failed(self, message: str) -> None:
+        """The engine could not start (EngineFailed). A replacement's failure is a death like the others
+        (the server backs off if it repeats); the first engine's ends the server."""
+        if self._died_at is not None and self.auto_restart and not self.closing:
+            return self._engine_died(message, forkserver_dead=False)
+        self.fail(message)
 
     def engine_broken(self, why: str) -> None:
         """The engine sent something undecodable: replace it rather than guess."""

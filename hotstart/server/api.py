@@ -140,9 +140,13 @@ class OpenAIServing:
         return self.names[0]
 
     def require_ready(self) -> None:
-        if not self.engine.ready:
+        if not self.engine.ready:  # Retry-After while backing off from a crash loop (frontend/crashes.py)
             raise RequestError(503, f"the engine is not ready ({self.engine.status})",
-                               code="engine_not_ready")
+                               code="engine_not_ready", retry_after=self._retry_after())
+
+    def _retry_after(self) -> float | None:
+        seconds = getattr(self.engine, "retry_after", None)
+        return None if seconds is None else float(round(seconds))
 
     def sampling(self, req: Any, max_tokens: int | None, max_param: str, n_prompt: int, prompt_param: str,
                  logprobs: int | None = None, prompt_logprobs: int | None = None,
@@ -229,7 +233,10 @@ class OpenAIServing:
     def generation(self, rid: str, ids: list[int], params: SamplingParams, stops: list[str],
                    t0: float, keep: bool = True) -> Generation:
         """An accepted request's Generation (its prompt tokens counted; a forced drain interrupts it);
-        KEEP False for a stream (its choices keep neither text nor logprobs)."""
+        KEEP False for a stream (its choices keep neither text nor logprobs). A poison request (in flight
+        at two engine deaths in a row) is refused here, before any reply."""
+        if (refused := self.engine.refusal(ids, params)) is not None:
+            raise refused
         if not self._received_once:  # with "first request served": the first request's own time
             self._received_once = True
             self.engine.timeline.add("first request received", time.time() - (time.perf_counter() - t0),
@@ -336,7 +343,10 @@ class OpenAIServing:
     async def health(self) -> Response:
         if self.engine.ready:
             return json_response({"status": "ready"})
-        return json_response({"status": self.engine.status}, 503)
+        resp = json_response({"status": self.engine.status}, 503)
+        if (seconds := self._retry_after()) is not None:  # backing off from a crash loop
+            resp.headers["Retry-After"] = f"{seconds:g}"
+        return resp
 
     async def live(self) -> Response:
         """Liveness: 200 while the process serves HTTP at all (starting, ready or draining)."""
@@ -344,8 +354,11 @@ class OpenAIServing:
 
     async def startup(self, request: Request) -> Response:
         # app.state.prefetch_stats: the serve command sets it once the prefetcher exists
+        from hotstart.system import memory_report  # noqa: PLC0415 - stdlib only
+
         state = request.app.state
-        return json_response(self.startup_body(state.prefetch_stats, state.download_stats))
+        body = self.startup_body(state.prefetch_stats, state.download_stats)
+        return json_response({**body, "memory": memory_report()})  # the limit and where it comes from
 
     async def prometheus(self) -> Response:
         self.metrics.update_engine(self.engine.stats, self.engine.ready)

@@ -122,7 +122,7 @@ async def _sample_memory(every: float) -> None:
     """Keep MemAvailable's last reading fresh (what an engine death by SIGKILL is reported with)."""
     import asyncio  # noqa: PLC0415
 
-    from hotstart.server import memory  # noqa: PLC0415
+    from hotstart.frontend import memory  # noqa: PLC0415
 
     memory.prime()
     while True:

@@ -258,7 +258,10 @@ class MultiServing:
             elif "timeline" in rec.extra:
                 entry.update(rec.extra["timeline"].to_json())
             models[rec.name] = entry
-        return json_response({**self.timeline.to_json(), "models": models})
+        from hotstart.system import memory_report  # noqa: PLC0415 - stdlib only
+
+        memory = {**memory_report(), "models_budget_bytes": self.router.budget}
+        return json_response({**self.timeline.to_json(), "memory": memory, "models": models})
 
     async def prometheus(self) -> Response:
         draining = 1 if self.drain.draining else 0

@@ -60,6 +60,20 @@ def estimate_cost(path: Path, args: argparse.Namespace, budget: int, slots: int)
     return weights, kv
 
 
+def models_budget(models_memory: int | None) -> int:
+    """Bytes the loaded models may use together: --models-memory, else what is available at start
+    (system.available_memory(): the container's limit minus its working set, else MemAvailable)."""
+    from hotstart.system import available_memory_detail  # noqa: PLC0415 - stdlib only
+
+    if models_memory:
+        return models_memory
+    available, source = available_memory_detail()
+    if available is None:
+        return 1 << 62
+    log.info("hotstart: models may use %.1f GiB together (%s)", available / 2**30, source)
+    return available
+
+
 def resolve_all(specs: list[ModelSpec], revision: str | None) -> list[tuple[str, object]]:
     """(name, ResolvedModel) per spec; a spec that does not resolve, or a name given twice, ends the start."""
     from hotstart.boot.resolve import resolve_model  # noqa: PLC0415
@@ -107,9 +121,7 @@ def run_serve_many(args: argparse.Namespace, cfg: ServeConfig, specs: list[Model
         with timeline.phase("web stack imported"):
             from hotstart.server.multi_api import build_multi_app  # noqa: PLC0415
         from hotstart.frontend.shared_launcher import SharedLauncher  # noqa: PLC0415
-        from hotstart.system import mem_available  # noqa: PLC0415
-
-        budget = mcfg.models_memory or mem_available() or (1 << 62)
+        budget = models_budget(mcfg.models_memory)
         records = []
         for name, m in resolved:
             weights, kv = estimate_cost(Path(m.path), args, budget, mcfg.max_loaded_models)

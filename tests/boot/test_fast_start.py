@@ -143,8 +143,9 @@ def test_killed_engine_fails_streams_and_is_replaced(default_model_dir):
         recoveries = []
         for round_ in range(3):  # each replacement is itself replaceable
             engine = forkserver.children()[0]
+            # another request each round: one in flight at two deaths in a row is refused (a poison request)
             with httpx.stream("POST", s.url + "/v1/chat/completions", timeout=60, json={
-                **QUESTION, "stream": True, "max_tokens": 400, "ignore_eos": True}) as r:
+                **QUESTION, "stream": True, "max_tokens": 400 + round_, "ignore_eos": True}) as r:
                 lines = r.iter_lines()
                 first = next(line for line in lines if line.startswith("data:"))
                 assert "chatcmpl" in first

@@ -85,6 +85,10 @@ def test_container_command_line_parses_and_the_grace_period_covers_the_drain():
     pre_stop = c["lifecycle"]["preStop"]["sleep"]["seconds"]
     assert pre_stop + args.shutdown_timeout + UVICORN_GRACE_S < spec["terminationGracePeriodSeconds"]
     assert serve_defaults().shutdown_timeout + UVICORN_GRACE_S < 30  # Kubernetes' default grace
+    from hotstart.flags import byte_size
+
+    limit = byte_size(c["resources"]["limits"]["memory"])  # the KV cache leaves room in the container
+    assert args.kv_cache_memory is not None and args.kv_cache_memory <= limit // 2
 
 
 def test_systemd_server_command_line_parses():

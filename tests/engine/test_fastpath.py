@@ -168,7 +168,8 @@ def test_auto_packs_where_it_fits_and_else_groups_for_the_kernels_or_compiles(ti
     status = fast.status()
     assert status.packing is S.PLANNED and status.compile is S.OFF, status
     assert status.compile_detail.startswith("the prepacked weights"), status
-    monkeypatch.setattr(plan, "mem_available", lambda: 1000)  # the prepacked copies cannot fit
+    # the prepacked copies cannot fit
+    monkeypatch.setattr(plan, "available_memory_detail", lambda: (1000, "MemAvailable"))
     fast = FastPath(core, "auto", (8,), lambda m: None)
     status = fast.status()
     if cpu_kernels.compiler() is not None and cpu_kernels.attention_supported(torch.float32):

@@ -46,18 +46,32 @@ def test_kv_cache_blocks_from_memory(monkeypatch):
 
     per_token = 57344  # Qwen2.5-7B bf16: 2 x 28 layers x 4 KV heads x 128 x 2 bytes
     cfg = EngineConfig(model_path="x", max_num_seqs=64)
-    monkeypatch.setattr(placement, "mem_available", lambda: 23 * GiB)
+    monkeypatch.setattr(placement, "available_memory_detail", lambda: (23 * GiB, "MemAvailable"))
     blocks, why = kv_cache_blocks(cfg, per_token, 2048, torch.device("cpu"), weight_bytes=int(13.76e9))
     cap = int((23 * GiB - int(13.76e9)) * CPU_KV_MEMORY_FRACTION)
     assert blocks == cap // (per_token * 16)
     assert f"seqs x 2048 tokens; {CPU_KV_MEMORY_FRACTION:.0%} of MemAvailable 23.0 GiB" in why
-    monkeypatch.setattr(placement, "mem_available", lambda: 64 * GiB)  # plenty: what 64 x 2048 tokens need
+    # plenty: what 64 x 2048 tokens need
+    monkeypatch.setattr(placement, "available_memory_detail", lambda: (64 * GiB, "MemAvailable"))
     blocks, why = kv_cache_blocks(cfg, per_token, 2048, torch.device("cpu"), weight_bytes=int(13.76e9))
     assert blocks == 64 * 2048 // 16 and why.startswith(
         "7.0 GiB: 64 seqs x 2048 tokens; MemAvailable 64.0 GiB"
     )
     explicit = EngineConfig(model_path="x", kv_cache_memory=GiB)
     assert kv_cache_blocks(explicit, per_token, 2048, torch.device("cpu"))[1].endswith("--kv-cache-memory")
-    monkeypatch.setattr(placement, "mem_available", lambda: 14 * GiB)
+    monkeypatch.setattr(placement, "available_memory_detail", lambda: (14 * GiB, "MemAvailable"))
     with pytest.raises(HotstartError, match="not enough memory for the KV cache"):
         kv_cache_blocks(cfg, per_token, 32768, torch.device("cpu"), weight_bytes=int(13.76e9))
+
+
+def test_a_cgroup_room_is_named_and_an_explicit_size_above_it_is_flagged(monkeypatch):
+    import torch
+
+    room = "cgroup /pod's room (v2 limit 8.00 GiB - working set 2.00 GiB)"
+    monkeypatch.setattr(placement, "available_memory_detail", lambda: (6 * GiB, room))
+    cfg = EngineConfig(model_path="x", max_num_seqs=64)
+    blocks, why = kv_cache_blocks(cfg, 65536, 4096, torch.device("cpu"), weight_bytes=2 * GiB)
+    assert blocks * 16 * 65536 <= 2 * GiB and f"50% of {room} 6.0 GiB - weights 2.0 GiB" in why
+    explicit = EngineConfig(model_path="x", kv_cache_memory=5 * GiB)
+    why = kv_cache_blocks(explicit, 65536, 4096, torch.device("cpu"), weight_bytes=2 * GiB)[1]
+    assert why.endswith(f"--kv-cache-memory (more than the 4.0 GiB that {room} leaves beside the weights)")

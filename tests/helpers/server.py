@@ -27,14 +27,17 @@ class Server:
     from it), with the interface the tests use: url, lines, output, descendants(), stop(), kill()."""
 
     def __init__(
-        self, *args: str, env: dict | None = None, ready_timeout: float = 120.0, wait_ready: bool = True
+        self, *args: str, env: dict | None = None, ready_timeout: float = 120.0, wait_ready: bool = True,
+        prefix: tuple[str, ...] = (),
     ):
         from hotstart.bench.process import RunFailed
         from hotstart.bench.process import Server as Launched
 
         # No death signal: it is set between fork and exec, unsafe while other servers' readers run.
-        self._srv = Launched.launch([sys.executable, "-m", "hotstart", "serve", "--port", "0", *args],
-                                    env={**os.environ, **(env or {})}, tag="hotstart serve", pdeathsig=False)
+        # PREFIX: a command that execs the rest (e.g. one that first joins a cgroup: helpers/cgroup.py)
+        argv = [*prefix, sys.executable, "-m", "hotstart", "serve", "--port", "0", *args]
+        self._srv = Launched.launch(argv, env={**os.environ, **(env or {})}, tag="hotstart serve",
+                                    pdeathsig=False)
         deadline = self._srv.t_launch + ready_timeout
         try:
             self._srv.wait_url(deadline)

@@ -13,7 +13,7 @@ import pytest
 from hotstart.flags import memory_amount
 from hotstart.frontend import memory
 from hotstart.frontend.memory import MemoryGuard, Sampler, exit_cause, mem_total, min_free_bytes
-from hotstart.system import mem_available
+from hotstart.system import available_memory
 
 
 def test_amounts_of_the_flag():
@@ -35,7 +35,7 @@ def test_amounts_of_the_flag():
 
 def test_the_guard_refuses_with_retry_after_when_the_threshold_is_above_what_is_free():
     total = mem_total()
-    guard = MemoryGuard(total + 1, Sampler(), wait_s=0.3)  # never met: MemAvailable <= MemTotal
+    guard = MemoryGuard(total + 1, Sampler(), wait_s=0.3)  # never met: available <= total
     t = time.monotonic()
     err = asyncio.run(guard.admit())
     assert time.monotonic() - t >= 0.3  # it waited for memory first
@@ -50,7 +50,7 @@ def test_the_sampler_reads_meminfo_at_most_every_half_second():
 
     def read():
         reads.append(1)
-        return mem_available()
+        return available_memory()
 
     s = Sampler(read, every=0.5)
     for _ in range(100):
@@ -64,4 +64,4 @@ def test_a_sigkill_is_explained_and_other_exits_are_not():
     why = exit_cause(-signal.SIGKILL, 2**22 + 17)  # no such pid in the kernel's log
     assert "OOM killer" in why
     if "kernel:" not in why and "oom_kill count" not in why:
-        assert why.startswith(": killed by SIGKILL (possibly the OOM killer: MemAvailable was ")
+        assert why.startswith(": killed by SIGKILL (possibly the OOM killer: available memory was ")

@@ -34,6 +34,9 @@ class Requests:
     def fail_requests(self, message: str) -> None:
         self.failed.append(message)
 
+    def in_flight(self) -> dict:
+        return {}
+
 
 def _supervisor() -> tuple[sup.EngineSupervisor, QueuedLauncher, list[str]]:
     launcher, told = QueuedLauncher(), []

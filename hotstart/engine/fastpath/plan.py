@@ -13,9 +13,9 @@ import shutil
 from hotstart.engine.fastpath.pack import prepacked_bytes
 from hotstart.messages import FastPathState as S
 from hotstart.model import cpu_kernels, onednn
-from hotstart.system import mem_available
+from hotstart.system import available_memory_detail
 
-PACK_RAM_FRACTION = 0.5  # prepack only if the copies take at most this share of MemAvailable
+PACK_RAM_FRACTION = 0.5  # prepack only if the copies take at most this share of the available memory
 # a GGUF model's linears stay ggml blocks: they multiply through model/quant.py's kernel slot instead
 QUANTIZED = "quantized GGUF weights (model/quant.py multiplies them)"
 
@@ -36,10 +36,10 @@ def packing_plan(core, mode: str) -> tuple[S, str, int]:
     if not onednn.available(p.device, p.dtype):
         return S.OFF, f"no oneDNN prepacking for {p.device.type} {str(p.dtype)[6:]}", 0
     need = prepacked_bytes(model) * ranks  # ranks share the RAM
-    avail = mem_available()
+    avail, source = available_memory_detail()  # a container's limit, not the node's RAM
     if avail is not None and need > PACK_RAM_FRACTION * avail:
         why = (f"prepacked weights ({need / 1e9:.1f} GB) would take over {PACK_RAM_FRACTION:.0%} of "
-               f"MemAvailable ({avail / 1e9:.1f} GB)")
+               f"{source} ({avail / 1e9:.1f} GB)")
         kernels = cpu_kernels.compiler() is not None and cpu_kernels.attention_supported(p.dtype, p.device)
         if ranks == 1 and kernels:
             return S.PLANNED, f"no copies: {why}", 0
