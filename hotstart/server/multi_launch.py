@@ -32,11 +32,11 @@ KV_FRACTION = 0.5  # engine/placement.py's CPU_KV_MEMORY_FRACTION: the KV cache'
 
 
 def free_memory() -> int | None:
-    """Bytes free for models now (the router evicts idle models while a load's cost exceeds it). The
-    seam for the effective, cgroup-aware limit (issue 40 part B): MemAvailable until that lands."""
-    from hotstart.system import mem_available  # noqa: PLC0415
+    """Bytes free now for one more model (eviction by memory): the container-aware figure every memory
+    budget reads (system.available_memory: a cgroup's limit minus its working set, else MemAvailable)."""
+    from hotstart.system import available_memory  # noqa: PLC0415 - stdlib only
 
-    return mem_available()
+    return available_memory()
 
 
 def estimate_cost(path: Path, args: argparse.Namespace, budget: int, slots: int) -> tuple[int, int]:
