@@ -67,6 +67,7 @@ _lib: ctypes.CDLL | None = None
 _fn = None
 _attention_fn = None  # set when the library is loaded and decode attention is enabled (enable_attention)
 _prefill_fn = None  # likewise, where the CPU has AVX512-BF16 and HOTSTART_PREFILL_KERNEL is not off
+_dlopened: set[str] = set()  # names this process dlopen'ed (load)
 _traced = False  # calls show in torch's profiler (a ctypes call is no torch op): the step bench's profile
 
 
@@ -152,10 +153,20 @@ def load(path: Path | str) -> None:
     bytes hashed are the bytes dlopen'ed (through the verified fd). PermissionError says why not."""
     global _lib, _fn
     fd = open_verified(Path(path), hotstart_home())
+    fds = [fd]
     try:
-        lib = ctypes.CDLL(f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else str(path))
+        if os.path.isdir("/proc/self/fd"):
+            # dlopen hands back the library already loaded under the same name: never reuse a name
+            while f"/proc/self/fd/{fds[-1]}" in _dlopened:
+                fds.append(os.dup(fd))
+            name = f"/proc/self/fd/{fds[-1]}"
+        else:
+            name = str(path)
+        lib = ctypes.CDLL(name)
+        _dlopened.add(name)
     finally:
-        os.close(fd)
+        for f in fds:
+            os.close(f)
     if lib.hs_gemv_abi() != 1:
         raise RuntimeError(f"{path}: unknown kernel ABI")
     fn = lib.hs_gemv
