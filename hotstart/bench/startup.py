@@ -126,6 +126,7 @@ class Bench:
             "env_files": len(self.cold.env.paths),
             "env_bytes": self.cold.env.nbytes,
             "env_dirs": self.cold.env_dirs,
+            "weights": self.cold.weights.paths,
             "peer_weights": self.cold.peer_weights.paths,
             "never_evicted": self.cold.kept,
             "notes": self.cold.notes,

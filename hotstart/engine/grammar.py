@@ -32,6 +32,8 @@ from typing import Any
 import torch
 
 from hotstart.engine.sequence import Sequence
+from hotstart.errors import HotstartError
+from hotstart.gguf_file import GGUFFile, is_gguf
 from hotstart.lru import ByteLRU, digest
 
 CACHE_SIZE = 64  # compiled grammars kept (pristine matchers, deep-copied per sequence)
@@ -44,12 +46,22 @@ class GrammarError(Exception):
 
 
 def _tokenizer(llg: Any, model_path: str, vocab_size: int, eos_ids: tuple[int, ...]) -> Any:
-    """llguidance's view of the model's tokenizer.json, as wide as the logits (vocab_size)."""
-    path = Path(model_path) / "tokenizer.json"
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise GrammarError(f"constrained decoding needs the model's tokenizer.json ({e.strerror})") from None
+    """llguidance's view of the model's tokenizer.json (a GGUF file's: the one its metadata builds), as
+    wide as the logits (vocab_size)."""
+    if not Path(model_path).is_dir() and is_gguf(model_path):
+        from hotstart.text import gguf_tokenizer  # noqa: PLC0415 - the tokenizers library, on first use
+
+        try:
+            text = gguf_tokenizer.build(GGUFFile(model_path))[0].to_str()
+        except HotstartError as e:
+            raise GrammarError(f"constrained decoding needs the model's tokenizer: {e}") from None
+    else:
+        path = Path(model_path) / "tokenizer.json"
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as e:
+            raise GrammarError(f"constrained decoding needs the model's tokenizer.json ({e.strerror})"
+                               ) from None
     try:
         return llg.LLTokenizer(text, n_vocab=vocab_size, eos_token=list(eos_ids) or None)
     except Exception as e:  # noqa: BLE001 - the Rust side raises plain exceptions

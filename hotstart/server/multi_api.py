@@ -154,7 +154,9 @@ class MultiServing:
                                  "ended (unix time; 0: never)", ["model"], registry=r)
         self.g_disk_blocks = Gauge("hotstart_model_prefix_blocks_on_disk", "Prefix-cache KV blocks of it on "
                                    "disk (every layout)", ["model"], registry=r)
-        self._disk: dict[str, tuple[float, int | None]] = {}  # model -> (when counted, blocks)
+        # model -> (when counted, (its state, loads) then, blocks): an unload writes blocks, so a new state
+        # or load recounts
+        self._disk: dict[str, tuple[float, tuple[State, int], int | None]] = {}
 
     def card(self, rec: ModelRecord, name: str | None = None) -> dict[str, Any]:
         """REC's /v1/models entry (NAME: one of its aliases, listed as a model of its own)."""
@@ -170,11 +172,12 @@ class MultiServing:
                 "prefix_blocks_on_disk": self.disk_blocks(rec)}
 
     def disk_blocks(self, rec: ModelRecord) -> int | None:
-        """REC's prefix-cache blocks on disk (model/kv_files.py), counted at most every DISK_COUNT_S."""
+        """REC's prefix-cache blocks on disk (model/kv_files.py), counted at most every DISK_COUNT_S while
+        its state stays the same."""
         from hotstart.model import kv_files  # noqa: PLC0415 - stdlib only
 
-        when, count = self._disk.get(rec.name, (0.0, None))
-        if time.monotonic() - when < DISK_COUNT_S:
+        when, state, count = self._disk.get(rec.name, (0.0, None, None))
+        if time.monotonic() - when < DISK_COUNT_S and state == (rec.state, rec.loads):
             return count
         try:
             if "snapshot" not in rec.extra:
@@ -184,7 +187,7 @@ class MultiServing:
             count = kv_files.count_blocks(kv_files.kv_root(), rec.extra["snapshot"])
         except (OSError, ValueError, HotstartError):  # no weights (yet): an s3:// download, a broken folder
             count = None
-        self._disk[rec.name] = (time.monotonic(), count)
+        self._disk[rec.name] = (time.monotonic(), (rec.state, rec.loads), count)
         return count
 
     def route(self, ep: ModelEndpoint):

@@ -121,10 +121,11 @@ def test_flag_values_the_parser_should_reject(default_model_dir, args, flag):
 
 
 # --- disk full while converting the default model ------------------------------------------------------
-# The conversion takes tens of seconds of CPU (GGUF dequantisation) before it writes anything, so it is
-# started when this module starts and checked by the last test: the other faults run meanwhile.
+# The default model is served from its shipped GGUF: nothing is converted or copied on first run, so a
+# $HOTSTART_HOME with 40 MB free (too small for the ~270 MB bf16 copy older versions wrote) still serves.
+# Started when this module starts and checked by the last test: the other faults run meanwhile.
 @pytest.fixture(scope="module", autouse=True)
-def disk_full_conversion(tmp_path_factory):
+def small_home_start(tmp_path_factory):
     """(tmpfs folder, Pending `hotstart generate` with HOTSTART_HOME there), or a skip reason (str)."""
     from hotstart.boot.default_model import find_gguf
     from hotstart.errors import HotstartError
@@ -152,16 +153,13 @@ def disk_full_conversion(tmp_path_factory):
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
 
 
-def test_disk_full_while_converting_the_default_model(disk_full_conversion):
-    """The bf16 default model (~270 MB) cannot fit in 40 MB: the conversion fails while writing."""
-    if isinstance(disk_full_conversion, str):
-        pytest.skip(disk_full_conversion)
-    home, pending = disk_full_conversion
+def test_the_default_model_serves_from_a_small_home_writing_no_model_copy(small_home_start):
+    """40 MB of $HOTSTART_HOME is enough: the GGUF is mapped where it was installed, never converted."""
+    if isinstance(small_home_start, str):
+        pytest.skip(small_home_start)
+    home, pending = small_home_start
     run = pending.finish(timeout=400)
-    assert run.rc not in (None, 0), run.stderr[-3000:]
-    models = home / "models"
-    left = sorted(p.name for p in models.iterdir()) if models.exists() else []
-    assert left == [], f"conversion left {left} behind"  # no temp folder, no half-written model
-    lines = run.error_lines()
+    assert run.rc == 0, run.stderr[-3000:]
+    assert run.stdout.strip(), run.stderr[-3000:]
+    assert not (home / "models").exists()  # no converted copy
     assert "Traceback" not in run.stderr, run.stderr[-3000:]
-    assert len(lines) == 1 and "no space left" in lines[0].lower(), run.stderr[-3000:]

@@ -23,6 +23,9 @@ CLUSTER_ENV = {
     "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "hotstart.ray.proxy:middlewares",
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_DEDUP_LOGS": "0",
+    # the suite runs beside other tests on 2 cores: a node's zygote may take longer to answer its probe
+    # than the few ms a replica waits by default (then the replica imports torch itself)
+    "HOTSTART_ZYGOTE_ANSWER_MS": "3000",
     # a node whose raylet died is declared dead after ~2 s instead of ~30 s
     "RAY_health_check_initial_delay_ms": "1000",
     "RAY_health_check_period_ms": "500",

@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 from helpers.engine import greedy_batch
+from helpers.kernels import shared_kernels_home
 
 from hotstart.config import EngineConfig
 from hotstart.engine.core import EngineCore
@@ -36,7 +37,7 @@ def _needs(dtype: torch.dtype) -> None:
 
 @pytest.fixture(autouse=True)
 def _home(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("HOTSTART_HOME", str(tmp_path_factory.getbasetemp() / "gemv-home"))
+    monkeypatch.setenv("HOTSTART_HOME", str(shared_kernels_home(tmp_path_factory)))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -276,11 +277,10 @@ def test_closing_mid_build_ends_the_compiler_and_its_children(tiny_checkpoint, t
     assert not [pid for pid in tree if alive(pid)] and not list((tmp_path / "kernels").glob(".*.tmp"))
 
 
-def test_without_the_kernels_the_engine_serves_on(tiny_checkpoint, tmp_path, monkeypatch):
+def test_without_the_kernels_the_engine_serves_on(tiny_checkpoint, monkeypatch):
     """HOTSTART_GEMV=off, HOTSTART_DECODE_KERNEL=off, or a compiler that fails: the packing stage says
     which kernel is off and why, and the steps run on oneDNN / torch's attention (and serve)."""
     _needs(torch.float32)
-    monkeypatch.setenv("HOTSTART_HOME", str(tmp_path))
     for env, why in ((("HOTSTART_GEMV", "off"), "no small-batch kernel: HOTSTART_GEMV=off"),
                      (("HOTSTART_DECODE_KERNEL", "off"), "paged decode kernel: HOTSTART_DECODE_KERNEL=off"),
                      (("CXX", "false"), "no small-batch kernel: g++ failed")):

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers.engine import greedy_batch
+from helpers.kernels import shared_kernels_home
 
 from hotstart.config import EngineConfig
 from hotstart.engine.core import EngineCore
@@ -28,7 +29,7 @@ def _library(tmp_path_factory, monkeypatch):
         pytest.skip("no C++ compiler: the engine serves with the torch ops")
     if not cpu_kernels.attention_supported(torch.float32):
         pytest.skip("this CPU lacks AVX2 + FMA (the engine says so and serves with the torch ops)")
-    monkeypatch.setenv("HOTSTART_HOME", str(tmp_path_factory.getbasetemp() / "gemv-home"))
+    monkeypatch.setenv("HOTSTART_HOME", str(shared_kernels_home(tmp_path_factory)))
     cpu_kernels.load(cpu_kernels.build())
 
 

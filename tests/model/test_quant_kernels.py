@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers.kernels import shared_kernels_home
 from helpers.quant_blocks import TYPES, dequantize, quantize_activations, random_weight
 
 from hotstart.model import cpu_kernels
@@ -34,7 +35,7 @@ def _library(tmp_path_factory):
     if cpu_kernels.compiler() is None:
         pytest.skip("no C++ compiler: quantized weights take model/quant.py's reference path")
     mp = pytest.MonkeyPatch()
-    mp.setenv("HOTSTART_HOME", str(tmp_path_factory.getbasetemp() / "gemv-home"))
+    mp.setenv("HOTSTART_HOME", str(shared_kernels_home(tmp_path_factory)))
     cpu_kernels.load(cpu_kernels.build())
     assert qk.bind()
     yield

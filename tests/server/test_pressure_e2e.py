@@ -56,7 +56,7 @@ def test_idle_connections_the_cap_and_an_engine_sigkill(default_model_dir):
         assert chat(s.url).status_code == 200
         [slow_body] = idle_sockets(s.url, 1)
         slow_body.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b'Content-Length: 500\r\n\r\n{"model": '
         )
         t = time.monotonic()
