@@ -174,7 +174,10 @@ def test_node_killed_mid_stream(cluster, app):
     r = httpx.post(app + "/v1/chat/completions", json=CHAT, timeout=180)  # from zero again
     assert r.status_code == 200, r.text
     phases = {p["name"]: p for p in httpx.get(app + "/startup", timeout=10).json()["phases"]}
-    assert "zygote used" in phases, phases.get("zygote not used")  # the node's zygote: no torch import
+    # the node's zygote (no torch import on this start), where that node ran a replica before: the
+    # scheduler may place this one on a node that never did (then it has none yet, and says so)
+    if "zygote used" not in phases:
+        assert phases["zygote not used"]["detail"].startswith("none running"), phases["zygote not used"]
     from hotstart.procs import descendants
 
     def has_replica(node) -> bool:
