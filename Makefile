@@ -38,7 +38,7 @@ JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$
 
 # everything: the linter, then every test (the README's test command, and CI's)
 test: setup lint nginx
-	$(PY) -m pytest -q -n $(JOBS) tests $(ARGS)
+	$(PY) -m pytest -q -n $(JOBS) --durations=15 tests $(ARGS)
 
 # the fast tier: no test that starts a process or a server (tests/conftest.py marks those e2e)
 test-fast: setup
