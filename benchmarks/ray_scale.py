@@ -210,7 +210,7 @@ def main() -> int:
     p.add_argument("--only", default="zero,throughput")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    from hotstart.boot.default_model import ensure_default_model
+    from hotstart.bench.default_hf import ensure_default_model
 
     model_dir = ensure_default_model(quiet=True)
     engine_flags = {"max_model_len": args.max_model_len}

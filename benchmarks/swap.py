@@ -189,7 +189,7 @@ def one_round(args, env: dict, flags: list[str], models: list[str], r: int, s: d
         settle(url, "a")
         s["cold"].append(first_token(url, "a", chat(system, "Summarise it.")))
         s["warm"].append(first_token(url, "a", chat(system, "Which word comes first?")))
-        httpx.post(f"{url}/v1/models/a/unload", timeout=60).raise_for_status()
+        httpx.post(f"{url}/v1/models/a/unload", json={}, timeout=60).raise_for_status()
         httpx.post(f"{url}/v1/models/a/load", json={}, timeout=600).raise_for_status()
         settle(url, "a")
         s["after unload"].append(first_token(url, "a", chat(system, "How many words are there?")))

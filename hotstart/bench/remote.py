@@ -17,6 +17,7 @@ absolute figures measure moto: docs/remote.md).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -231,8 +232,16 @@ def run_remote_bench(args: argparse.Namespace) -> int:
     model = resolve_model(args.model)
     if model.source not in ("local", "default", "hf-cache", "modelscope"):
         raise HotstartError("bench remote: MODEL must be a local folder (it is uploaded to the endpoint)")
-    weights = [p.name for p in weight_files(model.path)]
-    names = weights + [p.name for p in sidecar_files(model.path)]
+    folder = model.path
+    if not folder.is_dir():  # a GGUF file: the stores serve safetensors folders
+        if model.source != "default":
+            raise HotstartError(f"bench remote: {folder} is a file: give a safetensors model folder")
+        from hotstart.bench.default_hf import ensure_default_model  # noqa: PLC0415
+
+        folder = ensure_default_model()  # the default model's bf16 safetensors copy
+    model = dataclasses.replace(model, path=folder)
+    weights = [p.name for p in weight_files(folder)]
+    names = weights + [p.name for p in sidecar_files(folder)]
     out = Path(args.out or f"bench-results/remote-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     if args.store != "s3":
