@@ -120,7 +120,7 @@ def test_flag_values_the_parser_should_reject(default_model_dir, args, flag):
     assert flag in run.stderr.strip().splitlines()[-1], run.stderr[-3000:]
 
 
-# --- disk full while converting the default model ------------------------------------------------------
+# --- a $HOTSTART_HOME with little room -------------------------------------------------------------------
 # The default model is served from its shipped GGUF: nothing is converted or copied on first run, so a
 # $HOTSTART_HOME with 40 MB free (too small for the ~270 MB bf16 copy older versions wrote) still serves.
 # Started when this module starts and checked by the last test: the other faults run meanwhile.

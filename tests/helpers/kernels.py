@@ -8,6 +8,8 @@ import fcntl
 import os
 from pathlib import Path
 
+import pytest
+
 
 def shared_kernels_home(tmp_path_factory) -> Path:
     """A $HOTSTART_HOME holding the built library (the caller sets HOTSTART_HOME to it)."""
@@ -16,15 +18,8 @@ def shared_kernels_home(tmp_path_factory) -> Path:
     base = tmp_path_factory.getbasetemp()
     root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the run's, across workers
     home = root / "kernels-home"
-    with open(root / "kernels-home.lock", "w") as lock:
+    with open(root / "kernels-home.lock", "w") as lock, pytest.MonkeyPatch.context() as mp:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        old = os.environ.get("HOTSTART_HOME")
-        os.environ["HOTSTART_HOME"] = str(home)
-        try:
-            cpu_kernels.build()
-        finally:
-            if old is None:
-                del os.environ["HOTSTART_HOME"]
-            else:
-                os.environ["HOTSTART_HOME"] = old
+        mp.setenv("HOTSTART_HOME", str(home))
+        cpu_kernels.build()
     return home
