@@ -159,10 +159,14 @@ def _tensors(path: Path) -> dict[str, dict]:
 def model_bytes(model_dir: str | Path, dtype: str | None = None) -> ModelBytes:
     """Bytes per decode step of the checkpoint in MODEL_DIR served in DTYPE (None: its own)."""
     from hotstart.config import load_model_config
+    from hotstart.gguf_file import is_gguf
     from hotstart.model.files import weight_files
 
+    files = weight_files(Path(model_dir))
+    if len(files) == 1 and is_gguf(files[0]):
+        return _gguf_bytes(Path(files[0]), load_model_config(model_dir))
     tensors: dict[str, dict] = {}
-    for f in weight_files(Path(model_dir)):
+    for f in files:
         tensors.update(_tensors(Path(f)))
     untied = any(k.endswith("lm_head.weight") for k in tensors)
     read = {k: v for k, v in tensors.items() if not (untied and k.endswith("embed_tokens.weight"))}
@@ -175,6 +179,18 @@ def model_bytes(model_dir: str | Path, dtype: str | None = None) -> ModelBytes:
         return ModelBytes(weights, kv, dtype or own)
     experts = sum(_numel(v["shape"]) * size for k, v in read.items() if ".experts." in k)
     return ModelBytes(weights, kv, dtype or own, experts, cfg.num_experts, cfg.num_experts_per_tok)
+
+
+def _gguf_bytes(path: Path, cfg) -> ModelBytes:
+    """A GGUF's step streams its blocks as stored (the kernels multiply them quantized); the KV cache is
+    the engine's bf16."""
+    from hotstart.gguf_file import GGUFFile
+
+    tensors = GGUFFile(path).tensors
+    untied = "output.weight" in tensors
+    weights = sum(t.end - t.start for name, t in tensors.items() if not (untied and name == "token_embd.weight"))
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * ELEMENT_BYTES["BF16"]
+    return ModelBytes(weights, kv, "GGUF")
 
 
 def _numel(shape: list[int]) -> int:

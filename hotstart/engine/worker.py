@@ -142,10 +142,11 @@ def run_engine(cfg: EngineConfig, addresses: EngineAddresses, rank: int = 0, wor
         if cursor is not None:
             cursor.close()
     device = core.placement.device
-    send(EngineReady(os.getpid(), str(device), str(core.placement.dtype).removeprefix("torch."),
-                     core.max_model_len, cfg.block_size, core.blocks.num_blocks, cfg.max_num_seqs))
     fast = FastPath(core, cfg.compile, cfg.compile_bucket_sizes(), send,
                     **({"popen": lambda *a, **k: run(subprocess.Popen, *a, **k)} if background else {}))
+    fast.before_ready()
+    send(EngineReady(os.getpid(), str(device), str(core.placement.dtype).removeprefix("torch."),
+                     core.max_model_len, cfg.block_size, core.blocks.num_blocks, cfg.max_num_seqs))
     few_threads = background.few_threads if background is not None else contextlib.nullcontext
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)

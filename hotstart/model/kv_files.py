@@ -3,7 +3,8 @@ where blocks live, what keys them, the file format, the size budget.
 
   ROOT/<snapshot>/<layout>/<block hash hex>.kv      ROOT: $HOTSTART_KV_DIR, else $HOTSTART_HOME/kv
   snapshot  what the weights are: config.json's bytes and each weight file's name, size, mtime and
-            safetensors header (another checkpoint, or this one rewritten, never shares a folder)
+            safetensors header; a GGUF file's name, size, mtime and first GGUF_HEAD bytes (its metadata)
+            (another checkpoint, or this one rewritten, never shares a folder)
   layout    what else decides a block's bytes: the KV tensor's shape per block, dtype, device type, the
             context length (RoPE variants scale by it), the format version
   a file    HEADER (magic, layout key, block hash, payload bytes, crc32 of the payload) + the payload: one
@@ -37,6 +38,7 @@ HEADER = struct.Struct("<8s32s32sQI4x")  # magic, layout key, block hash, payloa
 SUFFIX = ".kv"
 TEMP_STALE_S = 600.0  # a temporary file this old is a dead writer's
 HEADER_CAP = 64 << 20  # safetensors headers above this are not read into the key (size and mtime still are)
+GGUF_HEAD = 4 << 20  # a GGUF's first bytes in the key: its metadata (a large vocabulary's tail aside)
 _temp_ids = itertools.count()
 
 
@@ -48,11 +50,16 @@ def snapshot_key(model_path: str | Path, weight_files: list[str | Path]) -> str:
     """What the weights are, as a folder name (hex): config.json's bytes, then per weight file (by name)
     its name, size, mtime and safetensors header. OSError when a file is missing."""
     h = hashlib.sha256(b"hotstart-kv-snapshot\0")
-    h.update((Path(model_path) / "config.json").read_bytes())
+    gguf = Path(model_path).is_file()  # a GGUF file: its metadata (in its first bytes) is its config
+    if not gguf:
+        h.update((Path(model_path) / "config.json").read_bytes())
     for path in sorted(map(Path, weight_files), key=lambda p: p.name):
         with open(path, "rb") as f:
             st = os.fstat(f.fileno())
             h.update(f"\0{path.name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+            if gguf:
+                h.update(f.read(GGUF_HEAD))
+                continue
             head = f.read(8)
             n = int.from_bytes(head, "little") if len(head) == 8 else 0
             h.update(head + (f.read(n) if 0 < n <= HEADER_CAP else b""))

@@ -30,7 +30,8 @@ def unsupported(model) -> str:
     """Why MODEL's layers do not run on the layer ops ("" where they do)."""
     if model.tp is not None:
         return "tensor parallel"
-    weight = model.output_weight()
+    # the activations' dtype: a GGUF's head stays ggml blocks (uint8), its norms are in the serving dtype
+    weight = model.output_weight() if model.quant_head is None else model.model.norm.weight
     if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
         return f"no layer ops for {weight.device.type} {str(weight.dtype)[6:]}"
     if model.model.rotary_local is not None or type(model.model.norm) is not RMSNorm:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hotstart.model import cpu_kernels, onednn, rope
+from hotstart.model import cpu_kernels, onednn, quant, rope
 from hotstart.model.attention import AttnMetadata, paged_attention
 from hotstart.model_config import ModelConfig
 from hotstart.rope_config import RopeConfig
@@ -54,12 +54,15 @@ class PackedGroup:
         self.bias = None if biases[0] is None or not copy else torch.cat(biases)
         self.linears = linears if not copy else []
         self.gemv: cpu_kernels.Segments | None = None  # the small-batch kernel over the linears' own weights
+        self.quantized = all(isinstance(m, quant.QuantLinear) for m in linears)
 
     def stacked(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, sum of outs]: the projections' outputs side by side, in order
         if self.gemv is not None and self.gemv.fits(x):
             return self.gemv(x)
         if self.prepacked is None:
+            if self.quantized:  # ggml blocks (model/quant.py): one kernel call for the group
+                return quant.stacked(self.linears, x)
             return torch.cat([m(x) for m in self.linears], dim=-1)
         return onednn.linear(x, self.prepacked, self.bias)
 

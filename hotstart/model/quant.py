@@ -40,14 +40,19 @@ from torch import nn
 from hotstart.gguf_file import TYPES
 
 Kernel = Callable[[torch.Tensor, torch.Tensor, int], "torch.Tensor | None"]
+# fn(x, [(w, ggml_type), ...]) -> [M, sum of N] float32 or None: several weights of one input in one call
+# (x quantized once; q/k/v, gate/up: engine/fastpath/pack.py groups them)
+Many = Callable[[torch.Tensor, list], "torch.Tensor | None"]
 _kernel: Kernel | None = None
+_many: Many | None = None
 CHUNK_ELEMENTS = 1 << 22  # dequantize at most this many weights at a time (16 MiB of float32)
 
 
-def set_kernel(fn: Kernel | None) -> None:
-    """Register the quantized matmul kernel (the contract above); None: back to the reference path."""
-    global _kernel
-    _kernel = fn
+def set_kernel(fn: Kernel | None, many: Many | None = None) -> None:
+    """Register the quantized matmul kernel (the contract above) and, optionally, its form for several
+    weights of one input; None: back to the reference path."""
+    global _kernel, _many
+    _kernel, _many = fn, many
 
 
 def kernel() -> Kernel | None:
@@ -190,13 +195,17 @@ class QuantLinear(nn.Module):
         # x: [T, in] -> [T, out] in x's dtype
         lead = x.shape[:-1]
         y = matmul(x.reshape(-1, self.in_features), self.weight, self.ggml_type)
+        return self.finish(y, x.dtype).view(*lead, self.out_features)
+
+    def finish(self, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # y: [T, out] float32, the product in the file's row order -> the checkpoint's order, in DTYPE, + bias
         if self.unpermute_heads:
             h = self.unpermute_heads
             y = y.view(y.shape[0], h, -1, 2).transpose(2, 3).reshape(y.shape[0], -1)
-        y = y.to(x.dtype)
+        y = y.to(dtype)
         if self.bias is not None:
             y = y + self.bias
-        return y.view(*lead, self.out_features)
+        return y
 
     def forward_split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # x: [T, in] -> one [T, rows] tensor per part (FusedLinear's interface)
@@ -218,3 +227,16 @@ class QuantEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         # ids: [T] -> [T, dim]
         return dequantize(self.weight[ids], self.ggml_type).to(self.dtype)
+
+
+def stacked(linears: list[QuantLinear], x: torch.Tensor) -> torch.Tensor:
+    """x: [T, in] -> [T, sum of outs] in x's dtype: sibling projections of one input (q/k/v, gate/up) side by
+    side, through one kernel call where the kernel takes them (x quantized once), else one call each."""
+    if _many is not None:
+        y = _many(x.contiguous(), [(m.weight, m.ggml_type) for m in linears])
+        if y is not None:
+            if not any(m.unpermute_heads or m.bias is not None for m in linears):
+                return y.to(x.dtype)
+            parts = y.split([m.out_features for m in linears], dim=-1)
+            return torch.cat([m.finish(p, x.dtype) for m, p in zip(linears, parts)], dim=-1)
+    return torch.cat([m(x) for m in linears], dim=-1)

@@ -105,6 +105,14 @@ def kernel(x: torch.Tensor, w: torch.Tensor, ggml_type: int) -> torch.Tensor | N
     return matmul(x, [(w, ggml_type)])
 
 
+def many(x: torch.Tensor, weights: list[tuple[torch.Tensor, int]]) -> torch.Tensor | None:
+    """model/quant.py's hook for several weights of one input: `matmul` (None: the per-weight path runs)."""
+    if cpu_kernels._traced:
+        with torch.profiler.record_function("hotstart::quant_matmul"):
+            return matmul(x, weights)
+    return matmul(x, weights)
+
+
 def quantized(model: torch.nn.Module) -> bool:
     """Whether MODEL holds weights as ggml blocks of a type these kernels take (model/quant.py's modules)."""
     return any(getattr(m, "ggml_type", None) in BLOCKS for m in model.modules())
@@ -120,5 +128,5 @@ def install() -> str:
         from hotstart.model import quant  # noqa: PLC0415 - only quantized models have it to register with
     except ImportError:
         return ""
-    quant.set_kernel(kernel)
+    quant.set_kernel(kernel, many)
     return f"quantized matmul kernels ({ISA_NAMES[_isa]})"

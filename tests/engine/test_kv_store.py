@@ -127,3 +127,24 @@ def test_the_size_budget_drops_the_least_recently_used(tmp_path):
     assert kv_files.enforce_budget(tmp_path, 2 * size) == 2 * size
     assert kv_files.list_blocks(folder) == {bytes([0]) * 32, bytes([3]) * 32}
     assert kv_files.count_blocks(tmp_path, "snap") == 2
+
+
+def test_a_gguf_models_prefixes_survive_a_restart_and_not_a_rewrite(tmp_path, kv_dir):
+    """A GGUF file is its own config: its snapshot key reads its metadata (no config.json beside it), blocks
+    written by one engine are read back by the next, and the same file rewritten keys another folder."""
+    from helpers.gguf import make
+
+    path, _ = make("llama", "Q4_0", tmp_path)
+    first = engine(path)
+    assert first.store is not None
+    cold = run(first)
+    files = written(first)
+    assert len(files) >= 5
+    again = engine(path)
+    assert len(again.store.on_disk) == len(files)
+    same(run(again), cold)
+    assert again.stats().prefix_disk_restored == 5
+    again.store.close()
+    key = kv_files.snapshot_key(path, [path])
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))
+    assert kv_files.snapshot_key(path, [path]) != key

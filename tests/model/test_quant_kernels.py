@@ -124,3 +124,43 @@ def test_install_registers_with_the_quant_hook():
         assert torch.equal(quant.matmul(x, w, TYPES["Q4_1"]), qk.kernel(x, w, TYPES["Q4_1"]))
     finally:
         quant.set_kernel(None)
+
+
+@pytest.mark.parametrize("family,mix", [("llama", "Q4_1"), ("qwen2", "Q5_0"), ("qwen3", "Q4_K_M")])
+def test_the_fast_path_runs_a_gguf_model_on_the_kernels_before_ready(family, mix, tmp_path):
+    """A GGUF engine's fast path plans the packing stage without copies, and with the library built settles
+    it before READY (FastPath.before_ready): q/k/v and gate/up grouped, one kernel call each (their outputs
+    equal to one call per projection: llama's q/k rows put back in the checkpoint's order), the kernels in
+    model/quant.py's slot. The logits then differ from the reference path's by the int8 activations only:
+    normalized mean squared error under llama.cpp's mul_mat limit (5e-4), the same top token."""
+    from helpers.gguf import make
+    from helpers.reference import float32_engine, prefill_logits
+
+    from hotstart.engine.fastpath import FastPath
+    from hotstart.messages import FastPathState as S
+    from hotstart.model import quant
+
+    path, _ = make(family, mix, tmp_path)
+    core = float32_engine(path, max_model_len=128)
+    ids = [1, 504, 3458, 282, 4649, 314, 25, 1159, 1230, 17]
+    plain = prefill_logits(core, ids)
+    sent = []
+    fast = FastPath(core, "auto", (8,), sent.append)
+    try:
+        assert fast.packing.state is S.PLANNED and fast.compile.state is S.OFF
+        fast.before_ready()
+        assert fast.packing.state is S.PACKED, fast.packing.detail
+        assert "quantized matmul kernels" in fast.packing.detail
+        assert any(getattr(s, "name", "") == "CPU kernels installed (no copies)" for s in sent)
+        attn, mlp = core.runner.model.model.layers[0].self_attn, core.runner.model.model.layers[0].mlp
+        x = torch.randn(3, attn.q_proj.in_features)
+        for group, linears in ((attn.packed_qkv, [attn.q_proj, attn.k_proj, attn.v_proj]),
+                               (mlp.packed_gate_up, [mlp.gate_proj, mlp.up_proj])):
+            assert group is not None and group.quantized
+            assert torch.equal(group.stacked(x), torch.cat([m(x) for m in linears], dim=-1))
+        fast_logits = prefill_logits(core, ids)
+        nmse = ((fast_logits - plain) ** 2).mean() / (plain ** 2).mean()
+        assert nmse < 5e-4 and fast_logits.argmax() == plain.argmax(), nmse
+    finally:
+        fast.close()
+        quant.set_kernel(None)

@@ -60,7 +60,8 @@ def attach_gemv(model: CausalLM, tiles: bool = False) -> int:
     for m in modules:
         for attr, linears in (m.pack_groups() if hasattr(m, "pack_groups") else {}).items():
             group = getattr(m, attr)
-            if group is not None and all(lin.weight.stride(-1) == 1 for lin in linears):
+            if group is not None and all(lin.weight.stride(-1) == 1 and lin.weight.is_floating_point()
+                                         for lin in linears):  # ggml blocks: quant_kernels multiplies them
                 weights, biases = [lin.weight for lin in linears], [lin.bias for lin in linears]
                 group.gemv = cpu_kernels.Segments(weights, biases, tiles)
                 in_groups.update(id(lin) for lin in linears)
@@ -90,7 +91,9 @@ def install_kernels(model: CausalLM, path, whys: tuple[str, str, str], copies: b
         weight = model.output_weight()
         tiles = copies and cpu_kernels.tiles_supported(weight.dtype, weight.device)
         upto = cpu_kernels.TILE_MAX_ROWS if tiles else cpu_kernels.MAX_ROWS
-        notes.append(f"small-batch kernels on {attach_gemv(model, tiles)} linears (<= {upto} tokens)")
+        calls = attach_gemv(model, tiles)
+        if calls:
+            notes.append(f"small-batch kernels on {calls} linears (<= {upto} tokens)")
     cpu_kernels.enable_attention(not attention_why)
     if not attention_why:
         prefill = " + bf16 prefill kernel" if cpu_kernels.prefill_enabled() else ""

@@ -16,7 +16,8 @@ from hotstart.model import cpu_kernels, onednn
 from hotstart.system import available_memory_detail
 
 PACK_RAM_FRACTION = 0.5  # prepack only if the copies take at most this share of the available memory
-# a GGUF model's linears stay ggml blocks: they multiply through model/quant.py's kernel slot instead
+# a GGUF model's linears stay ggml blocks: no oneDNN copies, no layer graphs; the packing stage only groups
+# sibling projections and installs the CPU kernels' quantized matmul in model/quant.py's kernel slot
 QUANTIZED = "quantized GGUF weights (model/quant.py multiplies them)"
 
 
@@ -32,7 +33,9 @@ def packing_plan(core, mode: str) -> tuple[S, str, int]:
     if model.fused:
         return S.OFF, "fused weights (GPU layout)", 0
     if model.quant_head is not None:
-        return S.OFF, QUANTIZED, 0
+        if ranks > 1 or cpu_kernels.compiler() is None:
+            return S.OFF, QUANTIZED, 0
+        return S.PLANNED, f"no copies: {QUANTIZED}", 0
     if not onednn.available(p.device, p.dtype):
         return S.OFF, f"no oneDNN prepacking for {p.device.type} {str(p.dtype)[6:]}", 0
     need = prepacked_bytes(model) * ranks  # ranks share the RAM
@@ -52,12 +55,12 @@ def compile_plan(core, mode: str, packing: bool) -> tuple[S, str]:
     cxx = os.environ.get("CXX", "g++")
     if mode not in ("auto", "graphs"):
         return S.OFF, f"--compile {mode}"
+    if core.runner.model.quant_head is not None:
+        return S.OFF, QUANTIZED
     if mode == "auto" and packing:
         return S.OFF, "the prepacked weights serve faster (auto)"
     if core.executor.world_size > 1:
         return S.OFF, "tensor parallel (the layer graphs hold no collectives)"
-    if core.runner.model.quant_head is not None:
-        return S.OFF, QUANTIZED
     if core.runner.model.cfg.num_experts:
         return S.OFF, "mixture of experts (the layer graphs have a dense MLP)"
     if not getattr(core.runner.model, "graph_layers", True):
