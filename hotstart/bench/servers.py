@@ -87,7 +87,29 @@ def hotstart_spec(model: str | None, dtype: str, extra: list[str], max_num_seqs:
             "--dtype", dtype, *(["--max-num-seqs", str(max_num_seqs)] if max_num_seqs else []), *extra]
     env = {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", **({"HOTSTART_HOME": home} if home else {}), **own}
     return Spec(f"hotstart[{label}]" if label else "hotstart", "hotstart", argv, env,
-                url=f"http://127.0.0.1:{port}" if port else None, weights=f"{dtype} safetensors")
+                url=f"http://127.0.0.1:{port}" if port else None, weights=weights_label(model, dtype))
+
+
+def weights_label(model: str | None, dtype: str) -> str:
+    """What hotstart serves MODEL (None: the default model, its GGUF) as, for the table: "Q4_K_M GGUF"
+    (the quantization named in the file's name), "GGUF", else "DTYPE safetensors"."""
+    from hotstart.gguf_file import is_gguf  # noqa: PLC0415
+    from hotstart.model.files import weight_files  # noqa: PLC0415
+
+    folder = Path(model) if model is not None else None
+    try:
+        if folder is None:
+            files = [Path(peers.default_gguf())]
+        elif folder.is_dir() and not (folder / "config.json").exists():  # a folder holding one GGUF file
+            files = sorted(p for p in folder.glob("*.gguf") if not p.name.startswith("mmproj"))
+        else:
+            files = weight_files(folder)
+    except (OSError, HotstartError):
+        files = []
+    if len(files) == 1 and is_gguf(files[0]):
+        quant = re.search(r"(?i)(?:^|[.\-_])((?:I?Q\d_[A-Z0-9_]+?|BF16|F16|F32))(?:\.gguf$|[.\-])", files[0].name)
+        return f"{quant.group(1).upper()} GGUF" if quant else "GGUF"
+    return f"{dtype} safetensors"
 
 
 def peer_spec(kind: str, model: str, dtype: str, extra: list[str], threads: int | None = None) -> Spec:

@@ -118,3 +118,17 @@ def test_bad_arguments_are_one_line_errors(tmp_path, args, message):
     last = res.stderr.strip().splitlines()[-1]
     assert res.returncode == 2 and message in last and last.startswith("hotstart: error:"), res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_hotstart_targets_say_what_they_serve(tmp_path, tiny_checkpoint):
+    """The table's "serves" column: the default model's Q4_1 GGUF, a folder holding one GGUF, a GGUF file by
+    its quantization (from its name), a safetensors folder by the dtype served."""
+    from hotstart.bench.servers import weights_label
+
+    assert weights_label(None, "auto") == "Q4_1 GGUF"
+    (tmp_path / "g").mkdir()
+    (tmp_path / "g" / "model.Q4_K_M.gguf").write_bytes(b"GGUF" + bytes(20))
+    assert weights_label(str(tmp_path / "g"), "auto") == "Q4_K_M GGUF"
+    (tmp_path / "plain.gguf").write_bytes(b"GGUF" + bytes(20))
+    assert weights_label(str(tmp_path / "plain.gguf"), "auto") == "GGUF"
+    assert weights_label(str(tiny_checkpoint("qwen2")), "bfloat16") == "bfloat16 safetensors"
