@@ -44,6 +44,10 @@ class Background:
         self.nice = _env_int("HOTSTART_LOAD_NICE", NICE) if nice is None else nice
         self.threads = _env_int("HOTSTART_LOAD_THREADS", THREADS) if threads is None else threads
         self._jobs: queue.Queue = queue.Queue()
+        # The main thread's count, settled before the helper lowers its own: torch keeps one process-wide
+        # count that a thread adopts at its first parallel op (at::internal::lazy_init_num_threads), so a
+        # main thread that had not computed yet would take the helper's 1 and serve on one core for good.
+        torch.set_num_threads(torch.get_num_threads())
         self._thread = threading.Thread(target=self._loop, name="background", daemon=True)
         self._thread.start()
 

@@ -30,3 +30,25 @@ def test_the_helper_is_lowered_and_the_main_thread_is_not():
         assert bg.run(_mine) == (19, 1)  # and the helper goes on
     finally:
         bg.close()
+
+
+def test_a_main_thread_that_never_computed_keeps_its_count():
+    """An engine's main thread computes nothing before the helper loads the model; torch hands a thread
+    the process-wide count at its first parallel op, which the helper's set_num_threads(1) had lowered:
+    the main thread must still serve on every core (a fresh interpreter: nothing computed before)."""
+    import subprocess
+    import sys
+
+    code = ("import torch\n"
+            "from hotstart.engine.cpu_share import Background\n"
+            "bg = Background(nice=0, threads=1)\n"
+            "assert bg.run(torch.get_num_threads) == 1\n"
+            "torch.ones(64).sum()\n"
+            "print(torch.get_num_threads())\n")
+    default = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    if default == "1":
+        pytest.skip("torch runs one thread here: nothing to lose")
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo)
+    assert got.stdout.strip() == default
