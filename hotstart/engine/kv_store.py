@@ -1,6 +1,7 @@
 """The prefix cache that survives: full KV blocks of cached prefixes written to disk (model/kv_files.py)
 while the engine idles, periodically while it is busy, and when it stops (an unload, a restart), and
-read back, lazily per prefix, before the request that needs them is scheduled.
+read back, lazily per prefix, before the request that needs them is scheduled; and, on a new engine, the
+most recently used of them are read back ahead of any request (preload).
 
 Writing: on the step thread, copy_out() gathers the K/V of cached blocks not on disk yet into one host
 tensor [n, layers, 2, KVH, block size, D]; the writer thread writes a file per block (plain file I/O, no
@@ -10,6 +11,10 @@ Reading: a new sequence whose hash chain goes on, past the blocks in memory, int
 thread before scheduling, copies them into free KV blocks, registers those as cached free blocks
 (BlockManager.restore) and lets the sequence in, whose lookup then finds the whole chain. A block that
 fails its checks ends the chain there: the rest is computed, as it would be without the store.
+Preload: the reader thread reads the most recently used files (up to PRELOAD_FRACTION of the KV blocks
+and PRELOAD_BYTES), and tick(), between steps, copies each batch read into free KV blocks as cached free
+blocks (the chains were written together, so whole prefixes come back), so that the first request after a
+swap or a restart finds its prefix in memory instead of waiting for its reads.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ FLUSH_BUSY_S = 30.0  # busy: write what is new this often, at most FLUSH_BUSY_BY
 FLUSH_IDLE_BYTES, FLUSH_BUSY_BYTES = 64 << 20, 8 << 20
 QUEUED_MAX_BYTES = 256 << 20  # host copies waiting for the writer: past this, no new copies
 CLOSE_S = 1.5  # at close: copying and writing what is left stops after this long
+PRELOAD_FRACTION, PRELOAD_BYTES = 0.5, 512 << 20  # preloaded at most: this share of the KV blocks, these bytes
+PRELOAD_BATCH = 32  # blocks per read job (and per copy between two steps)
 
 
 def budget_bytes(text: str | int | None) -> int:
@@ -99,6 +106,14 @@ class PrefixStore:
         self.reader, self.writer = _Thread("kv-read"), _Thread("kv-write")
         self.reader.start()
         self.writer.start()
+        limit = min(int(blocks.num_blocks * PRELOAD_FRACTION), PRELOAD_BYTES // max(1, self.block_bytes))
+        recent = kv_files.recent_blocks(folder)[:limit] if blocks.enable_prefix_caching else []
+        self.preloaded = 0
+        self._preload: queue.SimpleQueue = queue.SimpleQueue()  # (hashes, payloads) read, to copy in
+        self._preloading = 0  # read jobs queued and not copied in yet
+        for i in range(0, len(recent), PRELOAD_BATCH):
+            self._preloading += 1
+            self.reader.jobs.put(lambda batch=recent[i:i + PRELOAD_BATCH]: self._read_loose(batch))
 
     @classmethod
     def open(cls, core) -> PrefixStore | None:
@@ -164,6 +179,46 @@ class PrefixStore:
             job.done = True
             self._ready.set()
 
+    def _read_loose(self, hashes: list[bytes]) -> None:
+        got: list[tuple[bytes, memoryview]] = []
+        try:
+            for h in hashes:
+                if h in self.blocks._cached:  # noqa: SLF001 - a request brought it back first (a hint: no lock)
+                    continue
+                payload = kv_files.read_block(self.folder, self.layout, h, self.block_bytes)
+                if payload is None:
+                    self.on_disk.discard(h)
+                else:
+                    got.append((h, payload))
+        finally:
+            self._preload.put(got)
+
+    def _copy_preloaded(self) -> None:
+        """Between steps: copy the preloaded batches read so far into free KV blocks (never in use, never
+        evicting a cached block: only while blocks that were never used are left)."""
+        blocks = self.blocks
+        while self._preloading:
+            try:
+                got = self._preload.get_nowait()
+            except queue.Empty:
+                return
+            self._preloading -= 1
+            ids, data = [], []
+            for h, payload in got:
+                if h in blocks._cached:  # noqa: SLF001
+                    continue
+                if blocks._fresh > blocks.num_blocks:  # noqa: SLF001 - no never-used block left: evict none
+                    break
+                block = blocks.restore(h)
+                if block is None:
+                    break
+                ids.append(block)
+                data.append(payload)
+            if ids:
+                host = torch.stack([torch.frombuffer(p, dtype=self.runner.kv_cache.dtype) for p in data])
+                self.runner.write_blocks(ids, host.view(len(ids), *self.block_shape))
+                self.preloaded += len(ids)
+
     def cancel(self, seq: Sequence) -> None:
         for job in self._held:
             if job.seq is seq:
@@ -206,6 +261,8 @@ class PrefixStore:
     def tick(self, idle: bool) -> None:
         """Between steps: write what is new once idle for FLUSH_IDLE_S, else every FLUSH_BUSY_S."""
         now = time.monotonic()
+        if self._preloading:
+            self._copy_preloaded()
         if not idle:
             self._last_step = now
         if idle and now - self._last_step >= FLUSH_IDLE_S and now - self._last_flush >= FLUSH_IDLE_S:
@@ -265,5 +322,5 @@ class PrefixStore:
             t.jobs.put(None)
 
     def stats(self) -> dict[str, int]:
-        return {"prefix_disk_blocks": len(self.on_disk), "prefix_disk_restored": self.restored,
+        return {"prefix_disk_blocks": len(self.on_disk), "prefix_disk_restored": self.restored + self.preloaded,
                 "prefix_disk_written": self.written}

@@ -170,6 +170,23 @@ def list_blocks(folder: Path) -> set[bytes]:
     return out
 
 
+def recent_blocks(folder: Path) -> list[bytes]:
+    """The block hashes with a file in FOLDER, the most recently used first (a read touches its file)."""
+    found = []
+    try:
+        with os.scandir(folder) as it:
+            for e in it:
+                name = e.name
+                if name.endswith(SUFFIX) and len(name) == 64 + len(SUFFIX):
+                    try:
+                        found.append((e.stat(follow_symlinks=False).st_mtime_ns, bytes.fromhex(name[:64])))
+                    except (ValueError, OSError):
+                        pass
+    except OSError:
+        pass
+    return [h for _, h in sorted(found, reverse=True)]
+
+
 def count_blocks(root: Path, snapshot: str) -> int:
     """Block files of a snapshot, in every layout (the API process's /v1/models and /metrics)."""
     total = 0

@@ -148,3 +148,26 @@ def test_a_gguf_models_prefixes_survive_a_restart_and_not_a_rewrite(tmp_path, kv
     key = kv_files.snapshot_key(path, [path])
     os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))
     assert kv_files.snapshot_key(path, [path]) != key
+
+
+def test_a_new_engine_preloads_the_most_recent_prefixes_between_steps(tiny_checkpoint, kv_dir):
+    """A restarted engine's reader reads the most recently used block files ahead of any request, and
+    tick() copies them in between steps: the first request finds its whole prefix in memory (no hold, no
+    read of its own), and its output is the one computed without the store."""
+    path = tiny_checkpoint("qwen2")
+    cold = run(engine(path, disk="0"))
+    first = engine(path)
+    run(first)
+    files = written(first)
+    again = engine(path)
+    deadline = time.monotonic() + 30
+    while again.store.preloaded < len(files) and time.monotonic() < deadline:
+        again.store.tick(True)
+        time.sleep(0.01)
+    assert again.store.preloaded == len(files) and again.store.restored == 0
+    assert again.blocks.num_cached == len(files)
+    same(run(again), cold)
+    s = again.stats()
+    assert again.store.restored == 0 and s.prefix_cache_hits == 80  # found in memory, nothing held
+    assert s.prompt_tokens_computed == len(PROMPT) - 80
+    again.store.close()
