@@ -73,6 +73,8 @@ async def traced_request(client, url: str, body: dict, prompt_len: int, timeout:
                     elif usage := ev.get("usage"):
                         trace.usage_completion_tokens = usage.get("completion_tokens")
                         trace.usage_prompt_tokens = usage.get("prompt_tokens")
+        if trace.error is None and trace.finish_reason is None:  # e.g. a single-slot server cutting it short
+            trace.error = f"the stream ended after {len(trace.events)} event(s) without a finish_reason"
     except TimeoutError:
         trace.error = f"timeout after {timeout:.0f} s"
     except (httpx.HTTPError, ValueError) as e:
