@@ -12,6 +12,7 @@ import os
 import queue
 import struct
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,10 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
 PAGE = mmap.PAGESIZE
 TOUCH_IDLE_S = 10.0  # a PageToucher's thread ends after this long without work (a load that raised)
+# Touching threads: the first touch of a page is CPU work (the hypervisor's, ~1.8 us per 4 KiB here), and
+# a cold read's floor reader pays it on 4 threads; pieces of 32 MiB let them share a large tensor.
+TOUCH_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2))
+TOUCH_PIECE = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -133,7 +138,7 @@ class SafetensorsFile:
 
 
 class PageToucher:
-    """Reads one element per page of each tensor handed to it, in a background thread.
+    """Reads one element per page of each tensor handed to it, in background threads (TOUCH_THREADS).
 
     On the dev VM the first CPU access to a page-cache page just filled from disk costs ~1.7 us per
     4 KiB page (the hypervisor maps the frame on that first access: 6.1 s to copy 13.8 GB of freshly
@@ -144,24 +149,32 @@ class PageToucher:
     is ~30 ms for 14 GB. The first tensor is touched in the caller's thread (so the op's first use,
     with whatever it initialises, never happens in the background). Never raises."""
 
-    def __init__(self):
+    def __init__(self, threads: int | None = None):
         self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self._n = threads or TOUCH_THREADS
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
         self.touched = 0  # bytes
 
     def touch(self, tensor: torch.Tensor) -> None:
-        if self._thread is None:
+        if not self._threads:
             self._touch(tensor)
-            self._thread = threading.Thread(target=self._run, name="hotstart-page-touch", daemon=True)
-            self._thread.start()
-        else:
-            self._q.put(tensor)
+            self._threads = [threading.Thread(target=self._run, name="hotstart-page-touch", daemon=True)
+                             for _ in range(self._n)]
+            for t in self._threads:
+                t.start()
+            return
+        flat = tensor.view(-1)  # in pieces, so that the threads share a large tensor (an embedding)
+        step = max(1, TOUCH_PIECE // max(1, tensor.element_size()))
+        for i in range(0, flat.numel(), step):
+            self._q.put(flat[i:i + step])
 
     def _touch(self, tensor: torch.Tensor) -> None:
         try:
             if tensor.numel():
-                tensor.view(-1)[:: max(1, PAGE // tensor.element_size())].sum()
-                self.touched += tensor.nbytes
+                tensor.reshape(-1)[:: max(1, PAGE // tensor.element_size())].sum()
+                with self._lock:
+                    self.touched += tensor.nbytes
         except Exception:  # noqa: BLE001, S110 - best effort: the forward pass touches what this did not
             pass
 
@@ -176,7 +189,9 @@ class PageToucher:
             self._touch(tensor)
 
     def close(self, timeout: float | None = None) -> None:
-        """Wait until everything handed over is touched (at most TIMEOUT s)."""
-        if self._thread is not None:
+        """Wait until everything handed over is touched (at most TIMEOUT s in all)."""
+        for _ in self._threads:
             self._q.put(None)
-            self._thread.join(timeout)
+        end = None if timeout is None else time.monotonic() + timeout
+        for t in self._threads:
+            t.join(None if end is None else max(0.0, end - time.monotonic()))
