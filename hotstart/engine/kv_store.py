@@ -11,10 +11,12 @@ Reading: a new sequence whose hash chain goes on, past the blocks in memory, int
 thread before scheduling, copies them into free KV blocks, registers those as cached free blocks
 (BlockManager.restore) and lets the sequence in, whose lookup then finds the whole chain. A block that
 fails its checks ends the chain there: the rest is computed, as it would be without the store.
-Preload: the reader thread reads the most recently used files (up to PRELOAD_FRACTION of the KV blocks
-and PRELOAD_BYTES), and tick(), between steps, copies each batch read into free KV blocks as cached free
-blocks (the chains were written together, so whole prefixes come back), so that the first request after a
-swap or a restart finds its prefix in memory instead of waiting for its reads.
+Preload: while the engine idles, tick() asks the reader thread for the next PRELOAD_BATCH of the most
+recently used files (up to PRELOAD_FRACTION of the KV blocks and PRELOAD_BYTES in all) and, at a later
+tick, copies the batch read into never-used KV blocks as cached free blocks (the chains were written
+together, so whole prefixes come back): the first request after a swap or a restart finds its prefix in
+memory instead of waiting for its reads. Never while requests run: a busy engine's steps are not delayed by
+more than one batch's copy, and its cores are not shared with the reads.
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ FLUSH_BUSY_S = 30.0  # busy: write what is new this often, at most FLUSH_BUSY_BY
 FLUSH_IDLE_BYTES, FLUSH_BUSY_BYTES = 64 << 20, 8 << 20
 QUEUED_MAX_BYTES = 256 << 20  # host copies waiting for the writer: past this, no new copies
 CLOSE_S = 1.5  # at close: copying and writing what is left stops after this long
-PRELOAD_FRACTION, PRELOAD_BYTES = 0.5, 512 << 20  # preloaded at most: this share of the KV blocks, these bytes
-PRELOAD_BATCH = 32  # blocks per read job (and per copy between two steps)
+PRELOAD_FRACTION, PRELOAD_BYTES = 0.25, 256 << 20  # preloaded at most: this share of the KV blocks, these bytes
+PRELOAD_BATCH_BYTES = 16 << 20  # read per job, copied per tick
 
 
 def budget_bytes(text: str | int | None) -> int:
@@ -107,13 +109,11 @@ class PrefixStore:
         self.reader.start()
         self.writer.start()
         limit = min(int(blocks.num_blocks * PRELOAD_FRACTION), PRELOAD_BYTES // max(1, self.block_bytes))
-        recent = kv_files.recent_blocks(folder)[:limit] if blocks.enable_prefix_caching else []
+        self._recent = kv_files.recent_blocks(folder)[:limit] if blocks.enable_prefix_caching else []
+        self._batch = max(1, PRELOAD_BATCH_BYTES // max(1, self.block_bytes))
         self.preloaded = 0
-        self._preload: queue.SimpleQueue = queue.SimpleQueue()  # (hashes, payloads) read, to copy in
-        self._preloading = 0  # read jobs queued and not copied in yet
-        for i in range(0, len(recent), PRELOAD_BATCH):
-            self._preloading += 1
-            self.reader.jobs.put(lambda batch=recent[i:i + PRELOAD_BATCH]: self._read_loose(batch))
+        self._preload: queue.SimpleQueue = queue.SimpleQueue()  # a batch read: [(hash, payload)], to copy in
+        self._preload_reading = False  # a batch is with the reader
 
     @classmethod
     def open(cls, core) -> PrefixStore | None:
@@ -193,31 +193,45 @@ class PrefixStore:
         finally:
             self._preload.put(got)
 
-    def _copy_preloaded(self) -> None:
-        """Between steps: copy the preloaded batches read so far into free KV blocks (never in use, never
-        evicting a cached block: only while blocks that were never used are left)."""
-        blocks = self.blocks
-        while self._preloading:
+    @property
+    def preloading(self) -> bool:
+        """Blocks are left to preload (the engine's idle wait should stay short)."""
+        return bool(self._recent) or self._preload_reading
+
+    def _preload_tick(self, idle: bool) -> None:
+        """Copy in the batch the reader finished; while IDLE, hand it the next one."""
+        if self._preload_reading:
             try:
                 got = self._preload.get_nowait()
             except queue.Empty:
                 return
-            self._preloading -= 1
-            ids, data = [], []
-            for h, payload in got:
-                if h in blocks._cached:  # noqa: SLF001
-                    continue
-                if blocks._fresh > blocks.num_blocks:  # noqa: SLF001 - no never-used block left: evict none
-                    break
-                block = blocks.restore(h)
-                if block is None:
-                    break
-                ids.append(block)
-                data.append(payload)
-            if ids:
-                host = torch.stack([torch.frombuffer(p, dtype=self.runner.kv_cache.dtype) for p in data])
-                self.runner.write_blocks(ids, host.view(len(ids), *self.block_shape))
-                self.preloaded += len(ids)
+            self._preload_reading = False
+            self._copy_preloaded(got)
+        if idle and self._recent:
+            batch, self._recent = self._recent[:self._batch], self._recent[self._batch:]
+            self._preload_reading = True
+            self.reader.jobs.put(lambda: self._read_loose(batch))
+
+    def _copy_preloaded(self, got: list[tuple[bytes, memoryview]]) -> None:
+        """Copy a batch read into free KV blocks (never in use, never evicting a cached block: only while
+        blocks that were never used are left; else the rest of the preload is dropped)."""
+        blocks = self.blocks
+        ids, data = [], []
+        for h, payload in got:
+            if h in blocks._cached:  # noqa: SLF001
+                continue
+            if blocks._fresh > blocks.num_blocks:  # noqa: SLF001 - no never-used block left: evict none
+                self._recent = []
+                break
+            block = blocks.restore(h)
+            if block is None:
+                break
+            ids.append(block)
+            data.append(payload)
+        if ids:
+            host = torch.stack([torch.frombuffer(p, dtype=self.runner.kv_cache.dtype) for p in data])
+            self.runner.write_blocks(ids, host.view(len(ids), *self.block_shape))
+            self.preloaded += len(ids)
 
     def cancel(self, seq: Sequence) -> None:
         for job in self._held:
@@ -261,8 +275,8 @@ class PrefixStore:
     def tick(self, idle: bool) -> None:
         """Between steps: write what is new once idle for FLUSH_IDLE_S, else every FLUSH_BUSY_S."""
         now = time.monotonic()
-        if self._preloading:
-            self._copy_preloaded()
+        if self._recent or self._preload_reading:
+            self._preload_tick(idle)
         if not idle:
             self._last_step = now
         if idle and now - self._last_step >= FLUSH_IDLE_S and now - self._last_flush >= FLUSH_IDLE_S:

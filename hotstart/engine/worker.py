@@ -158,7 +158,7 @@ def run_engine(cfg: EngineConfig, addresses: EngineAddresses, rank: int = 0, wor
             0
             if core.has_work() or fast.packing_left()
             else FAST_PATH_POLL_MS
-            if fast.busy()
+            if fast.busy() or (core.store is not None and core.store.preloading)
             else IDLE_POLL_MS
         )
         if poller.poll(timeout):

@@ -150,8 +150,8 @@ def test_a_gguf_models_prefixes_survive_a_restart_and_not_a_rewrite(tmp_path, kv
     assert kv_files.snapshot_key(path, [path]) != key
 
 
-def test_a_new_engine_preloads_the_most_recent_prefixes_between_steps(tiny_checkpoint, kv_dir):
-    """A restarted engine's reader reads the most recently used block files ahead of any request, and
+def test_a_new_engine_preloads_the_most_recent_prefixes_while_idle(tiny_checkpoint, kv_dir):
+    """A restarted engine reads the most recently used block files while it idles (never while busy), and
     tick() copies them in between steps: the first request finds its whole prefix in memory (no hold, no
     read of its own), and its output is the one computed without the store."""
     path = tiny_checkpoint("qwen2")
@@ -160,11 +160,14 @@ def test_a_new_engine_preloads_the_most_recent_prefixes_between_steps(tiny_check
     run(first)
     files = written(first)
     again = engine(path)
+    for _ in range(20):  # busy: nothing is read
+        again.store.tick(False)
+    assert again.store.preloading and again.store.preloaded == 0 and not again.store._preload_reading
     deadline = time.monotonic() + 30
     while again.store.preloaded < len(files) and time.monotonic() < deadline:
         again.store.tick(True)
         time.sleep(0.01)
-    assert again.store.preloaded == len(files) and again.store.restored == 0
+    assert again.store.preloaded == len(files) and again.store.restored == 0 and not again.store.preloading
     assert again.blocks.num_cached == len(files)
     same(run(again), cold)
     s = again.stats()
