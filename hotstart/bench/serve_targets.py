@@ -65,8 +65,9 @@ def _peer(cmd: str, name: str | None, model: str) -> ServeTarget:
     program = os.path.basename(words[0])
     kind = ("vllm" if peers.is_vllm(words) else
             "transformers" if program == "transformers" and "serve" in words[1:2] else "peer")
+    named = next((w for w in words if w.lower().endswith(".gguf")), None)  # a GGUF file it is given
     spec = sv.Spec(label, kind, peers.fill(words, port, model, gguf), env, url=f"http://127.0.0.1:{port}",
-                   weights="GGUF" if gguf else "")
+                   weights=sv.weights_label(gguf or named, "") if gguf or named else "")
     return ServeTarget(label, kind, spec, weights=spec.weights)
 
 

@@ -194,7 +194,10 @@ def served_dtype(kind: str, output: str, model: str) -> str:
     m = re.search(pattern, output) if pattern else None
     if m:
         return m.group(1)
-    cfg = json.loads((Path(model) / "config.json").read_text())
+    try:
+        cfg = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):  # a GGUF file, a folder without a config
+        return "auto"
     return f"auto ({cfg.get('dtype') or cfg.get('torch_dtype')})"
 
 
