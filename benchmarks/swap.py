@@ -150,7 +150,8 @@ def launch(args, env: dict, flags: list[str], models: list[str]) -> Server:
     return srv
 
 
-def one_round(args, env: dict, flags: list[str], models: list[str], r: int, s: dict[str, list]) -> None:
+def one_round(args, env: dict, flags: list[str], models: list[str], r: int, s: dict[str, list],
+              salt: int = 0) -> None:
     srv = launch(args, env, flags, models)
     url = srv.url
     try:
@@ -185,7 +186,8 @@ def one_round(args, env: dict, flags: list[str], models: list[str], r: int, s: d
         s["rate ratio"].append(rate_load / rate_quiet if rate_quiet else float("nan"))
         if stream.error:
             s["errors"].append(stream.error)
-        system = system_prompt(url, "a", args.system_tokens, seed=1000 * r + len(s["cold"]))
+        # a prompt no earlier round or variant has seen (their blocks share the store's folder)
+        system = system_prompt(url, "a", args.system_tokens, seed=100000 * salt + 1000 * r + len(s["cold"]))
         settle(url, "a")
         s["cold"].append(first_token(url, "a", chat(system, "Summarise it.")))
         s["warm"].append(first_token(url, "a", chat(system, "Which word comes first?")))
@@ -268,8 +270,8 @@ def main() -> int:
     kv = tempfile.mkdtemp(prefix="hotstart-swap-kv-")  # blocks of this run only
     try:
         for r in range(args.rounds):
-            for name, (env, flags) in variants.items():
-                one_round(args, {"HOTSTART_KV_DIR": kv, **env}, flags, models, r, samples[name])
+            for i, (name, (env, flags)) in enumerate(variants.items()):
+                one_round(args, {"HOTSTART_KV_DIR": kv, **env}, flags, models, r, samples[name], salt=i)
             for k in restarts:
                 restarts[k].append(restart_s(k, args.a))
     finally:
