@@ -188,7 +188,8 @@ def _gguf_bytes(path: Path, cfg) -> ModelBytes:
 
     tensors = GGUFFile(path).tensors
     untied = "output.weight" in tensors
-    weights = sum(t.end - t.start for name, t in tensors.items() if not (untied and name == "token_embd.weight"))
+    weights = sum(t.end - t.start for name, t in tensors.items()
+                  if not (untied and name == "token_embd.weight"))
     kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * ELEMENT_BYTES["BF16"]
     return ModelBytes(weights, kv, "GGUF")
 

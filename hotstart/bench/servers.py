@@ -107,7 +107,8 @@ def weights_label(model: str | None, dtype: str) -> str:
     except (OSError, HotstartError):
         files = []
     if len(files) == 1 and is_gguf(files[0]):
-        quant = re.search(r"(?i)(?:^|[.\-_])((?:I?Q\d_[A-Z0-9_]+?|BF16|F16|F32))(?:\.gguf$|[.\-])", files[0].name)
+        quant = re.search(r"(?i)(?:^|[.\-_])((?:I?Q\d_[A-Z0-9_]+?|BF16|F16|F32))(?:\.gguf$|[.\-])",
+                          files[0].name)
         return f"{quant.group(1).upper()} GGUF" if quant else "GGUF"
     return f"{dtype} safetensors"
 

@@ -43,7 +43,8 @@ FLUSH_BUSY_S = 30.0  # busy: write what is new this often, at most FLUSH_BUSY_BY
 FLUSH_IDLE_BYTES, FLUSH_BUSY_BYTES = 64 << 20, 8 << 20
 QUEUED_MAX_BYTES = 256 << 20  # host copies waiting for the writer: past this, no new copies
 CLOSE_S = 1.5  # at close: copying and writing what is left stops after this long
-PRELOAD_FRACTION, PRELOAD_BYTES = 0.25, 256 << 20  # preloaded at most: this share of the KV blocks, these bytes
+# preloaded at most: this share of the KV blocks, these bytes
+PRELOAD_FRACTION, PRELOAD_BYTES = 0.25, 256 << 20
 PRELOAD_BATCH_BYTES = 16 << 20  # read per job, copied per tick
 
 
@@ -336,5 +337,6 @@ class PrefixStore:
             t.jobs.put(None)
 
     def stats(self) -> dict[str, int]:
-        return {"prefix_disk_blocks": len(self.on_disk), "prefix_disk_restored": self.restored + self.preloaded,
+        return {"prefix_disk_blocks": len(self.on_disk),
+                "prefix_disk_restored": self.restored + self.preloaded,
                 "prefix_disk_written": self.written}
