@@ -36,6 +36,7 @@ def _library(tmp_path_factory):
         pytest.skip("no C++ compiler: quantized weights take model/quant.py's reference path")
     mp = pytest.MonkeyPatch()
     mp.setenv("HOTSTART_HOME", str(shared_kernels_home(tmp_path_factory)))
+    mp.delenv("HOTSTART_QUANT_KERNEL", raising=False)  # the suite's default keeps GGUF on the plain path
     cpu_kernels.load(cpu_kernels.build())
     assert qk.bind()
     yield
@@ -164,3 +165,24 @@ def test_the_fast_path_runs_a_gguf_model_on_the_kernels_before_ready(family, mix
     finally:
         fast.close()
         quant.set_kernel(None)
+
+
+def test_the_default_model_is_served_on_the_kernels_from_its_first_request():
+    """`hotstart serve` of the default model (its Q4_1 GGUF) with this host's kernel library built: the
+    kernels are installed before READY (the timeline's span ends before "engine ready") and the README's
+    first example answers as it says."""
+    import httpx
+    from helpers.server import Server
+
+    s = Server("--max-model-len", "512")
+    try:
+        r = httpx.post(s.url + "/v1/chat/completions", timeout=60, json={
+            "model": "SmolLM2-135M-Instruct", "temperature": 0, "max_tokens": 32,
+            "messages": [{"role": "user", "content": "Name the capital of France."}]})
+        assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"], r.text
+        startup = httpx.get(s.url + "/startup", timeout=30).json()
+        assert "quantized matmul kernels" in startup["fast_path"]["packing_detail"]
+        ends = {p["name"]: p["end_s"] for p in startup["phases"]}
+        assert ends["CPU kernels installed (no copies)"] <= ends["engine ready"]
+    finally:
+        s.stop()

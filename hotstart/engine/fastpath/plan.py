@@ -33,6 +33,8 @@ def packing_plan(core, mode: str) -> tuple[S, str, int]:
     if model.fused:
         return S.OFF, "fused weights (GPU layout)", 0
     if model.quant_head is not None:
+        if cpu_kernels.switched_off("HOTSTART_QUANT_KERNEL"):  # the plain path: no kernel of any kind
+            return S.OFF, f"{QUANTIZED}; HOTSTART_QUANT_KERNEL=off", 0
         if ranks > 1 or cpu_kernels.compiler() is None:
             return S.OFF, QUANTIZED, 0
         return S.PLANNED, f"no copies: {QUANTIZED}", 0
