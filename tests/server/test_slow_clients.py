@@ -24,7 +24,7 @@ from hotstart.server.connections import (
     protocol_class,
 )
 
-WRITE_S, PER_CLIENT = 0.5, 4
+WRITE_S, PER_CLIENT = 1.0, 4  # 1 s: a reader descheduled in a loaded suite is not a stalled client
 streams: dict[str, dict] = {}  # ?id= -> what the app saw: chunks sent, when it ended, whether cancelled
 
 
