@@ -30,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from hotstart.bench.kernel_cache import built_library, seed_home
 from hotstart.bench.process import RunFailed, Server
 from hotstart.errors import HotstartError
 
@@ -106,6 +107,7 @@ class Bench:
         self.runs: list[dict] = []
         self.extra = shlex.split(args.hotstart_args or "")
         self.tmp = Path(tempfile.mkdtemp(prefix="hotstart-bench-remote-"))
+        self.library = built_library() if args.kernels == "seeded" else None
 
     def save(self, meta: dict) -> None:
         (self.out / "results.json").write_text(json.dumps({"meta": meta, "runs": self.runs}, indent=1))
@@ -114,6 +116,7 @@ class Bench:
         """Launch -> first answer of `hotstart serve MODEL` (seconds) and its /startup."""
         argv = [sys.executable, "-m", "hotstart", "serve", model, "--port", "0", *self.extra]
         env = {**os.environ, **self.env, "HOTSTART_HOME": str(home)}
+        seed_home(home, self.library)  # --kernels cold: the cold and serial homes are fresh, both build
         server = Server.launch(argv, env=env, log_dir=self.out / "logs", tag=tag)
         try:
             deadline = server.t_launch + self.args.timeout

@@ -50,4 +50,8 @@ def add_remote(bsub, verb: str) -> None:
     p.add_argument(
         "--hotstart-args", default="", metavar="ARGS", help="extra `hotstart serve` flags, one string"
     )
+    p.add_argument("--kernels", choices=("seeded", "cold"), default="seeded",
+                   help="seeded: the CPU kernel library, built once first, is in every run's fresh "
+                        "$HOTSTART_HOME (as in an image built with it); cold: every run of the cold pair "
+                        "compiles it (bench/kernel_cache.py)")
     p.add_argument("--out", default=None, help="results folder (default: bench-results/remote-DATE)")

@@ -30,6 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from hotstart.bench.kernel_cache import built_library, seed_home
 from hotstart.bench.process import RunFailed, Server, free_port
 from hotstart.errors import HotstartError
 
@@ -59,6 +60,7 @@ class HubBench:
         self.tmp = Path(tempfile.mkdtemp(prefix="hotstart-bench-hub-"))
         self.runs: list[dict] = []
         self.cached: dict[int, Path] = {}
+        self.library = built_library() if args.kernels == "seeded" else None
 
     def env(self, rnd: int, endpoint: str | None = None, offline: bool = False) -> dict[str, str]:
         root = self.tmp / f"round-{rnd}"
@@ -71,6 +73,10 @@ class HubBench:
 
     def serve(self, model: str, env: dict, tag: str) -> tuple[float, dict, str]:
         argv = [sys.executable, "-m", "hotstart", "serve", model, "--port", "0", *self.extra]
+        home = Path(env["HOTSTART_HOME"])
+        if self.library is None and tag.startswith(("hub-cold", "serial")):
+            shutil.rmtree(home / "kernels", ignore_errors=True)  # --kernels cold: this run builds them
+        seed_home(home, self.library)
         server = Server.launch(argv, env=env, log_dir=self.out / "logs", tag=tag)
         try:
             deadline = server.t_launch + self.args.timeout
