@@ -141,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
             from hotstart.system import hotstart_home  # noqa: PLC0415
 
             check_home(hotstart_home())  # one warning if it is read-only or full; the children learn it too
+            if (len(args.model or []) > 1 or getattr(args, "model_dir", None)) and \
+                    getattr(args, "max_loaded_models", 2) > 1:  # engines that may run side by side
+                from hotstart.forkserver.runtime import share_cores_between_engines  # noqa: PLC0415
+
+                share_cores_between_engines()
             launcher = EngineLauncher(use_forkserver=serve_cfg.prespawn, zygote=serve_cfg.zygote)
             try:
                 launcher.start()

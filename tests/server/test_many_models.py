@@ -190,6 +190,13 @@ def test_lru_eviction_with_two_slots(two_slots):
     s = states(two_slots, "unused")
     assert (s["m1"], s["m2"], s["m3"]) == ("unloaded", "loaded", "loaded")
     assert len(engines(two_slots)) == 2
+    # engines that may run side by side yield idle OpenMP threads at once (forkserver/runtime.py)
+    assert {e.environ().get("GOMP_SPINCOUNT") for e in engines(two_slots)} == {"2000"}
+
+
+def test_one_engine_at_a_time_keeps_the_default_spin(one_slot):
+    answer(client(one_slot), "m1")
+    assert [e.environ().get("GOMP_SPINCOUNT") for e in engines(one_slot)] == [None]
 
 
 def test_request_keep_alive(two_slots):
