@@ -67,11 +67,29 @@ def _short(x: float) -> float:
     return x
 
 
+_U64 = struct.Struct("<Q")
+
+
+class SkippedStrings:
+    """A string array a GGUFFile opened with text_arrays=False walked over without reading (its count)."""
+
+    __slots__ = ("count",)
+
+    def __init__(self, count: int):
+        self.count = count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __repr__(self) -> str:
+        return f"SkippedStrings({self.count})"
+
+
 class _Header:
     """A bounds-checked cursor over the header bytes: a short read is a truncated file."""
 
-    def __init__(self, buf, path: Path):
-        self.buf, self.pos, self.path = buf, 0, path
+    def __init__(self, buf, path: Path, text_arrays: bool = True):
+        self.buf, self.pos, self.path, self.text_arrays = buf, 0, path, text_arrays
 
     def take(self, n: int) -> int:
         start = self.pos
@@ -112,7 +130,33 @@ class _Header:
             size = struct.calcsize(code)
             start = self.take(n * size)
             return list(struct.unpack_from(f"<{n}{code}", self.buf, start))  # float32: exact values
+        if item == 8:
+            return self.strings(n, key)
         return [self.value(item, key) for _ in range(n)]
+
+    def strings(self, n: int, key: str) -> list[str] | SkippedStrings:
+        """N length-prefixed strings (a vocabulary's tokens and merges: 10^5 of them) in one loop; with
+        text_arrays off only walked over (SkippedStrings): the engine reads none of them."""
+        buf, pos, end = self.buf, self.pos, len(self.buf)
+        out: list[str] | None = [] if self.text_arrays else None
+        length = _U64.unpack_from
+        for _ in range(n):
+            if pos + 8 > end:
+                self.pos = pos
+                self.take(8)  # raises: truncated
+            m = length(buf, pos)[0]
+            pos += 8
+            if pos + m > end:
+                self.pos = pos
+                self.take(m)  # raises: truncated
+            if out is not None:
+                try:
+                    out.append(str(buf[pos:pos + m], "utf-8"))
+                except UnicodeDecodeError:
+                    raise WeightsError(f"{self.path}: GGUF key '{key}' array is not UTF-8 text") from None
+            pos += m
+        self.pos = pos
+        return out if out is not None else SkippedStrings(n)
 
 
 class GGUFFile:
@@ -120,8 +164,8 @@ class GGUFFile:
     TensorInfo, in file order), `version`, `data_offset`, `size`. Raises WeightsError naming the file: not
     GGUF, another version, truncated, a tensor of a type not served or past the end of the file."""
 
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
+    def __init__(self, path: str | Path, text_arrays: bool = True):
+        self.path, self._text_arrays = Path(path), text_arrays
         try:
             with open(self.path, "rb") as f:
                 self.size = os.fstat(f.fileno()).st_size
@@ -136,7 +180,7 @@ class GGUFFile:
             mm.close()
 
     def _parse(self, mm: mmap.mmap) -> None:
-        h = _Header(memoryview(mm), self.path)
+        h = _Header(memoryview(mm), self.path, self._text_arrays)
         try:
             self._read(h)
         finally:

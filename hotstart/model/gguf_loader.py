@@ -72,7 +72,7 @@ def load_gguf_model(cfg: ModelConfig, path: str | Path, device: torch.device | s
     from hotstart.model import registry  # noqa: PLC0415 - registry imports the families lazily itself
 
     device = torch.device(device)
-    gf = GGUFFile(path)
+    gf = GGUFFile(path, text_arrays=False)  # tensors and hyperparameters only
     _, arch = gguf_arch.arch_of(gf)
     with torch.device("meta"):
         model = registry.model_class(cfg)(cfg, max_positions or cfg.max_position_embeddings, False)

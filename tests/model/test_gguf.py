@@ -14,7 +14,7 @@ from helpers.reference import float32_engine, greedy, prefill_logits
 from hotstart.bench.gguf_make import SCALES, random_blocks
 from hotstart.boot.default_model import find_gguf
 from hotstart.errors import HotstartError, WeightsError
-from hotstart.gguf_file import TYPES, GGUFFile
+from hotstart.gguf_file import TYPES, GGUFFile, SkippedStrings
 from hotstart.model import quant
 from hotstart.model_config import load_model_config
 
@@ -156,3 +156,30 @@ def test_refusals_name_the_file_and_what_is_supported(tmp_path, files):
                    lambda d: d.__setitem__(slice(arch, arch + 5), b"mamba"))
     with pytest.raises(HotstartError, match=r"architecture 'mamba' is not served \(served: llama, qwen2"):
         load_model_config(bad)
+
+
+def test_the_engines_header_skips_the_vocabulary_text_and_reads_the_rest_the_same(tmp_path, files):
+    path = files("llama", "Q4_0")[0]
+    full, lean = GGUFFile(path), GGUFFile(path, text_arrays=False)
+    assert lean.tensors == full.tensors and lean.data_offset == full.data_offset
+    skipped = {k for k, v in lean.fields.items() if isinstance(v, SkippedStrings)}
+    assert "tokenizer.ggml.tokens" in skipped
+    for k, v in full.fields.items():
+        if k in skipped:
+            assert isinstance(v, list) and all(isinstance(s, str) for s in v)
+            assert len(lean.fields[k]) == len(v)
+        else:
+            assert lean.fields[k] == v
+    raw = path.read_bytes()
+    inside = raw.index(b"tokenizer.ggml.tokens") + 200  # cut in the middle of the token strings
+    cut = _corrupt(tmp_path, path, "cut.gguf", lambda d: d.__delitem__(slice(inside, None)))
+    for text_arrays in (True, False):
+        with pytest.raises(WeightsError, match="truncated GGUF header") as e:
+            GGUFFile(cut, text_arrays=text_arrays)
+        assert str(cut) in str(e.value)
+    first = raw.index(b"tokenizer.ggml.tokens") + len(b"tokenizer.ggml.tokens") + 4 + 4 + 8 + 8
+    bad = _corrupt(tmp_path, path, "latin1.gguf", lambda d: d.__setitem__(first, 0xFF))
+    with pytest.raises(WeightsError, match="'tokenizer.ggml.tokens' array is not UTF-8"):
+        GGUFFile(bad)
+    tokens = GGUFFile(bad, text_arrays=False).fields["tokenizer.ggml.tokens"]  # the engine never decodes them
+    assert len(tokens) == len(full.get("tokenizer.ggml.tokens"))
