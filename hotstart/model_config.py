@@ -14,7 +14,7 @@ from typing import Any
 from hotstart import config_fields as fields
 from hotstart import families, gguf_arch
 from hotstart.errors import ModelConfigError
-from hotstart.gguf_file import GGUFFile
+from hotstart.gguf_file import lean_header
 from hotstart.rope_config import RopeConfig, parse_ropes
 from hotstart.sliding_window import parse_window
 
@@ -245,7 +245,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     is a GGUF file (hotstart/gguf_arch.py). Errors name file and field (or GGUF key)."""
     model_dir = Path(model_dir)
     if model_dir.is_file():  # a GGUF file (GGUFFile refuses anything else in one line)
-        gf = GGUFFile(model_dir, text_arrays=False)  # the vocabulary's strings: the tokenizer's, not ours
+        gf = lean_header(model_dir)  # the vocabulary's strings: the tokenizer's, not ours
         mc = parse_model_config(gguf_arch.config_dict(gf), model_dir)
         return dataclasses.replace(mc, path=str(model_dir))
     src = model_dir / "config.json"

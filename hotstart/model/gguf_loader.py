@@ -21,7 +21,7 @@ from torch import nn
 
 from hotstart import gguf_arch
 from hotstart.errors import WeightsError
-from hotstart.gguf_file import GGUFFile, TensorInfo
+from hotstart.gguf_file import TensorInfo, lean_header
 from hotstart.model.decoder import CausalLM
 from hotstart.model.layers import Embedding, FusedLinear, Linear
 from hotstart.model.quant import QuantEmbedding, QuantLinear
@@ -72,7 +72,7 @@ def load_gguf_model(cfg: ModelConfig, path: str | Path, device: torch.device | s
     from hotstart.model import registry  # noqa: PLC0415 - registry imports the families lazily itself
 
     device = torch.device(device)
-    gf = GGUFFile(path, text_arrays=False)  # tensors and hyperparameters only
+    gf = lean_header(path)  # tensors and hyperparameters only
     _, arch = gguf_arch.arch_of(gf)
     with torch.device("meta"):
         model = registry.model_class(cfg)(cfg, max_positions or cfg.max_position_embeddings, False)

@@ -4,6 +4,8 @@ transformers model of the same dequantized weights, and each refusal's one line.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -14,7 +16,7 @@ from helpers.reference import float32_engine, greedy, prefill_logits
 from hotstart.bench.gguf_make import SCALES, random_blocks
 from hotstart.boot.default_model import find_gguf
 from hotstart.errors import HotstartError, WeightsError
-from hotstart.gguf_file import TYPES, GGUFFile, SkippedStrings
+from hotstart.gguf_file import TYPES, GGUFFile, SkippedStrings, lean_header
 from hotstart.model import quant
 from hotstart.model_config import load_model_config
 
@@ -183,3 +185,15 @@ def test_the_engines_header_skips_the_vocabulary_text_and_reads_the_rest_the_sam
         GGUFFile(bad)
     tokens = GGUFFile(bad, text_arrays=False).fields["tokenizer.ggml.tokens"]  # the engine never decodes them
     assert len(tokens) == len(full.get("tokenizer.ggml.tokens"))
+
+
+def test_the_lean_header_is_parsed_once_per_version_of_the_file(tmp_path, files):
+    path = tmp_path / "m.gguf"
+    path.write_bytes(files("llama", "Q4_0")[0].read_bytes())
+    first = lean_header(path)
+    assert lean_header(path) is first and isinstance(first.get("tokenizer.ggml.tokens"), SkippedStrings)
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # rewritten: parsed again
+    assert lean_header(path) is not first and lean_header(path).tensors == first.tensors
+    with pytest.raises(WeightsError, match="cannot read"):
+        lean_header(tmp_path / "missing.gguf")
