@@ -166,7 +166,7 @@ class GGUFFile:
     GGUF, another version, truncated, a tensor of a type not served or past the end of the file."""
 
     def __init__(self, path: str | Path, text_arrays: bool = True):
-        self.path, self._text_arrays = Path(path), text_arrays
+        self.path = Path(path)
         try:
             with open(self.path, "rb") as f:
                 self.size = os.fstat(f.fileno()).st_size
@@ -176,12 +176,12 @@ class GGUFFile:
         except OSError as e:
             raise WeightsError(f"{self.path}: cannot read: {e.strerror or e}") from None
         try:
-            self._parse(mm)
+            self._parse(mm, text_arrays)
         finally:
             mm.close()
 
-    def _parse(self, mm: mmap.mmap) -> None:
-        h = _Header(memoryview(mm), self.path, self._text_arrays)
+    def _parse(self, mm: mmap.mmap, text_arrays: bool) -> None:
+        h = _Header(memoryview(mm), self.path, text_arrays)
         try:
             self._read(h)
         finally:
