@@ -9,7 +9,8 @@ the model the request names once it is acquired (loaded on demand); its lease en
 follow-up change `model`). Endpoints beside OpenAI's (documented in README "Many models"):
   GET  /v1/models                  every model, with `state`, `loaded_at`, `keep_alive_until`, `error`,
                                    `pinned`, `priority`, `aliases`, `last_used`, `memory_bytes`,
-                                   `resident_bytes`, `prefix_blocks_on_disk`; each alias also listed
+                                   `resident_bytes`, `prefix_blocks_on_disk`, `waiting` (requests
+                                   waiting for its load); each alias also listed
   POST /v1/models/{name}/load      load it now (waits until it serves; body {"keep_alive": ...} optional)
   POST /v1/models/{name}/unload    stop its engine: at once when idle (200), else once its requests end
                                    (202); a loading model answers 409. With --admin-key both need that key
@@ -167,6 +168,7 @@ class MultiServing:
                 "state": rec.state.value, "loaded_at": int(rec.loaded_at) if rec.loaded_at else None,
                 "keep_alive_until": int(until) if until else None, "error": rec.error,
                 "pinned": rec.pinned, "priority": rec.priority, "aliases": list(rec.aliases),
+                "waiting": rec.waiting,
                 "last_used": int(rec.last_used) if rec.last_used else None, "memory_bytes": rec.cost,
                 "resident_bytes": resident_bytes(info.pid) if info and rec.state is State.LOADED else None,
                 "prefix_blocks_on_disk": self.disk_blocks(rec)}

@@ -41,9 +41,11 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_slot(model_dir):
-    """m1, m2, m3 and a broken model; one engine at a time, kept loaded; an API key; 1 waiting request."""
+    """m1, m2, m3 and a broken model; one engine at a time, kept loaded; an API key; 1 waiting request; room
+    for a stream long enough to keep a model busy (test_waiting_bound...)."""
+    engine = [*ENGINE[:1], "1024", *ENGINE[2:]]  # --max-model-len
     yield from serving("--model-dir", str(model_dir), "--max-loaded-models", "1", "--keep-alive", "-1",
-                       "--max-waiting-requests", "1", "--api-key", KEY, *ENGINE)
+                       "--max-waiting-requests", "1", "--api-key", KEY, *engine)
 
 
 @pytest.fixture(scope="module")
@@ -130,20 +132,45 @@ def test_path_like_or_unknown_names_are_404(one_slot, model_dir, name):
 
 
 def test_waiting_bound_answers_503_with_retry_after(one_slot):
+    auth = {"Authorization": f"Bearer {KEY}"}
     answer(client(one_slot), "m1")
-    body = {"model": "m2", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    # m1 busy with a stream until this test hangs up: m2's load waits for room (one slot), and so does the one
+    # request the bound (1) lets wait; three more are turned away, however loaded the machine
+    hang_up, streamed = threading.Event(), []
+    long = {"model": "m1", "prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+
+    def hold_m1() -> None:
+        with httpx.stream("POST", one_slot.url + "/v1/completions", json=long, headers=auth, timeout=120) as r:
+            for line in r.iter_lines():
+                streamed.append(line)
+                if hang_up.is_set():
+                    return
 
     def post():
-        return httpx.post(one_slot.url + "/v1/completions", json=body, timeout=120,
-                          headers={"Authorization": f"Bearer {KEY}"})
+        body = {"model": "m2", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+        return httpx.post(one_slot.url + "/v1/completions", json=body, headers=auth, timeout=120)
 
+    def card(name: str) -> dict:
+        return httpx.get(f"{one_slot.url}/v1/models/{name}", headers=auth, timeout=30).json()
+
+    holder = threading.Thread(target=hold_m1, daemon=True)
+    holder.start()
     with cf.ThreadPoolExecutor(4) as pool:
-        rs = list(pool.map(lambda _: post(), range(4)))
-    codes = sorted(r.status_code for r in rs)
-    assert 200 in codes and 503 in codes, codes
-    busy = [r for r in rs if r.status_code == 503]
+        try:
+            wait_for(lambda: len(streamed) >= 3)
+            first = pool.submit(post)
+            wait_for(lambda: card("m2")["waiting"] == 1)
+            assert card("m1")["state"] == "loaded" and card("m2")["state"] == "unloaded"
+            busy = [f.result() for f in [pool.submit(post) for _ in range(3)]]
+            assert holder.is_alive(), "m1's stream ended before the burst: it no longer keeps m2 waiting"
+        finally:
+            hang_up.set()
+        assert first.result().status_code == 200, first.result().text  # m2 loaded once m1's stream ended
+    holder.join(30)
+    assert [r.status_code for r in busy] == [503] * 3, [r.text for r in busy]
     assert all(r.json()["error"]["code"] == "too_many_waiting" and int(r.headers["Retry-After"]) >= 1
-               for r in busy)
+               for r in busy), [r.text for r in busy]
+    assert card("m2")["waiting"] == 0
 
 
 def test_load_and_unload_endpoints_need_the_key(one_slot):
