@@ -171,13 +171,6 @@ def test_scale_to_zero_when_idle(cluster, app):
 
 
 def test_node_killed_mid_stream(cluster, app):
-    r = httpx.post(app + "/v1/chat/completions", json=CHAT, timeout=180)  # from zero again
-    assert r.status_code == 200, r.text
-    phases = {p["name"]: p for p in httpx.get(app + "/startup", timeout=10).json()["phases"]}
-    # the node's zygote (no torch import on this start), where that node ran a replica before: the
-    # scheduler may place this one on a node that never did (then it has none yet, and says so)
-    if "zygote used" not in phases:
-        assert phases["zygote not used"]["detail"].startswith("none running"), phases["zygote not used"]
     from hotstart.procs import descendants
 
     def has_replica(node) -> bool:
@@ -191,9 +184,8 @@ def test_node_killed_mid_stream(cluster, app):
                 pass
         return False
 
-    node = next(n for n in cluster.nodes if has_replica(n))
     lines, errors = [], []
-    body = {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 400, "ignore_eos": True,
+    body = {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 480, "ignore_eos": True,
             "temperature": 0, "stream": True}
 
     def stream() -> None:
@@ -203,13 +195,24 @@ def test_node_killed_mid_stream(cluster, app):
         except Exception as e:  # noqa: BLE001 - asserted below
             errors.append(repr(e))
 
+    # the stream is the request that scales from zero again: while it runs, its replica is the only one (an
+    # earlier request's replica could be scaled down meanwhile and another started on the other node)
     t = threading.Thread(target=stream, daemon=True)
     t.start()
-    assert wait_for(lambda: len(lines) >= 3 or not t.is_alive(), 60)
-    cluster.kill_node(node)
+    assert wait_for(lambda: len(lines) >= 3 or not t.is_alive(), 180)
+    assert t.is_alive() and not errors, (lines, errors)
+    phases = {p["name"]: p for p in httpx.get(app + "/startup", timeout=10).json()["phases"]}
+    # the node's zygote (no torch import on this start), where that node ran a replica before: the
+    # scheduler may place this one on a node that never did (then it has none yet, and says so)
+    if "zygote used" not in phases:
+        assert phases["zygote not used"]["detail"].startswith("none running"), phases["zygote not used"]
+    serving = [n for n in cluster.nodes if has_replica(n)]
+    assert len(serving) == 1, (replicas(), [n.node_id for n in serving])
+    assert t.is_alive(), "the stream ended before the node's kill"
+    cluster.kill_node(serving[0])
     killed = time.monotonic()
     t.join(60)
-    assert not t.is_alive() and not errors, errors
+    assert not t.is_alive() and not errors, (errors, len(lines), replicas())
     print(f"stream ended {time.monotonic() - killed:.2f} s after the node's kill, {len(lines)} lines")
     assert lines[-1] == "data: [DONE]"
     error = json.loads(lines[-2][6:])["error"]

@@ -140,7 +140,7 @@ def test_waiting_bound_answers_503_with_retry_after(one_slot):
     long = {"model": "m1", "prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True, "stream": True}
 
     def hold_m1() -> None:
-        with httpx.stream("POST", one_slot.url + "/v1/completions", json=long, headers=auth, timeout=120) as r:
+        with httpx.stream("POST", one_slot.url + "/v1/completions", json=long, headers=auth, timeout=60) as r:
             for line in r.iter_lines():
                 streamed.append(line)
                 if hang_up.is_set():
