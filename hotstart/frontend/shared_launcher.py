@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from typing import TYPE_CHECKING
 
 from hotstart.forkserver.client import current_generation
@@ -30,13 +29,12 @@ from hotstart.messages import (
     SpawnEngine,
     StopEngine,
 )
-from hotstart.procs import alive
+from hotstart.procs import wait_gone
 
 if TYPE_CHECKING:
     from hotstart.config import EngineConfig
     from hotstart.forkserver.client import EngineLauncher
 
-WAIT_STEP_S = 0.02
 
 
 class SharedLauncher:
@@ -166,11 +164,7 @@ class ModelLauncher:
         an executor thread by ProcessEngineClient.close: no imports here."""
         pids = list(self.engine_pids.values())
         self.stop_engine()
-        deadline = time.monotonic() + timeout
-        while pids and time.monotonic() < deadline:
-            pids = [p for p in pids if alive(p)]  # exited is enough: its forkserver (or zygote) reaps it
-            if pids:
-                time.sleep(WAIT_STEP_S)
+        pids = wait_gone(pids, timeout)  # exited is enough: its forkserver (or zygote) reaps it
         for p in pids:
             try:
                 os.kill(p, signal.SIGKILL)

@@ -7,7 +7,7 @@ import signal
 import subprocess
 import time
 
-from hotstart.procs import alive, descendants, group_pids, terminate_then_kill, tree
+from hotstart.procs import alive, descendants, group_pids, terminate_then_kill, tree, wait_gone
 
 
 def _state(pid: int) -> str | None:
@@ -51,3 +51,20 @@ def test_descendants_come_after_their_parents():
         os.killpg(proc.pid, signal.SIGKILL)
         terminate_then_kill([proc], 1.0)
     assert not alive(proc.pid)
+
+
+def test_wait_gone_wakes_on_the_exit_and_returns_what_outlives_the_timeout():
+    quick = subprocess.Popen(["sleep", "0.3"])
+    slow = subprocess.Popen(["sleep", "30"])
+    try:
+        t = time.monotonic()
+        assert wait_gone([quick.pid], 20) == []  # woken by the exit (a zombie until reaped: gone)
+        assert 0.2 < time.monotonic() - t < 5
+        t = time.monotonic()
+        assert wait_gone([slow.pid, quick.pid], 0.3) == [slow.pid]  # the bound: only the live one is left
+        assert 0.25 < time.monotonic() - t < 5
+        assert wait_gone([], 10) == [] and wait_gone([2**22 + 1], 10) == []  # nothing to wait for: at once
+    finally:
+        slow.kill()
+        slow.wait(5)
+        quick.wait(5)

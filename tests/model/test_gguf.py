@@ -17,6 +17,7 @@ from hotstart.bench.gguf_make import SCALES, random_blocks
 from hotstart.boot.default_model import find_gguf
 from hotstart.errors import HotstartError, WeightsError
 from hotstart.gguf_file import TYPES, GGUFFile, SkippedStrings, lean_header
+from hotstart.messages import Span
 from hotstart.model import quant
 from hotstart.model_config import load_model_config
 
@@ -197,3 +198,18 @@ def test_the_lean_header_is_parsed_once_per_version_of_the_file(tmp_path, files)
     assert lean_header(path) is not first and lean_header(path).tensors == first.tensors
     with pytest.raises(WeightsError, match="cannot read"):
         lean_header(tmp_path / "missing.gguf")
+
+
+def test_the_forkserver_parses_a_served_gguf_header_for_the_engines_it_forks_next(tmp_path, files):
+    from hotstart.forkserver.server import ForkServer
+    from hotstart.gguf_file import _lean
+
+    path = tmp_path / "m.gguf"
+    path.write_bytes(files("llama", "Q4_0")[0].read_bytes())
+    server = ForkServer(Span("preload", 0.0, 0.0, "forkserver"), None)
+    server.headers = [str(path), str(path), str(tmp_path / "missing.gguf")]  # an unreadable one: the engine's
+    before = _lean.cache_info()
+    server._parse_headers()  # while idle, after forking an engine for PATH
+    assert server.headers == [] and _lean.cache_info().misses == before.misses + 1
+    lean_header(path)  # what an engine forked after it finds: parsed already
+    assert _lean.cache_info().hits == before.hits + 1
