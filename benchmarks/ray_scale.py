@@ -41,7 +41,7 @@ sys.path.insert(1, str(REPO / "tests"))  # the tests' loopback cluster (tests/he
 from helpers.ray_cluster import LoopbackCluster  # noqa: E402
 
 from hotstart.bench.process import Server  # noqa: E402
-from hotstart.boot.residency import evict  # noqa: E402
+from hotstart.residency import evict  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}],

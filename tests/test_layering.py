@@ -24,7 +24,7 @@ LAYERS = [
 # the bottom: small torch-free modules any layer uses (they may import each other, without loops)
 BASE = {"config", "flags", "model_config", "config_fields", "rope_config", "sliding_window", "families",
         "messages", "sampling_params", "spec_config", "framing", "procs", "errors", "system", "diskio",
-        "heartbeat", "logs", "trust", "lru", "gguf_file", "gguf_arch"}
+        "heartbeat", "logs", "trust", "lru", "gguf_file", "gguf_arch", "residency"}
 # hotstart/__init__.py: the public front door (LLM, SamplingParams), loaded lazily by __getattr__
 FRONT_DOOR = "hotstart"
 

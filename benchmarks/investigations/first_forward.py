@@ -20,9 +20,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from hotstart.boot.prefetch import Prefetcher
-from hotstart.boot.residency import evict, resident_bytes
 from hotstart.boot.storage import MiB, PrefetchPlan
 from hotstart.model.files import weight_files
+from hotstart.residency import evict, resident_bytes
 from hotstart.system import mem_available
 
 

@@ -41,16 +41,16 @@ sys.path.insert(0, str(ROOT))
 
 from hotstart.bench.evict import FileSet, evict_sets
 from hotstart.boot.populate import METHODS
-from hotstart.boot.residency import evict, resident_bytes
 from hotstart.boot.storage import MiB, detect, mem_available
 from hotstart.model.files import weight_files
+from hotstart.residency import evict, resident_bytes
 
 CHILD = r"""
 import json, os, resource, sys, threading, time
 a = json.loads(sys.argv[1])
 sys.path.insert(0, a["root"])
 from hotstart.boot.prefetch import Prefetcher
-from hotstart.boot.residency import PAGE_SIZE, FileMap
+from hotstart.residency import PAGE_SIZE, FileMap
 from hotstart.boot.storage import PrefetchPlan
 from hotstart.model.cursor import LoadCursor
 

@@ -24,9 +24,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from hotstart.boot.prefetch import Prefetcher  # noqa: E402
-from hotstart.boot.residency import evict, resident_bytes  # noqa: E402
 from hotstart.boot.storage import MiB, PrefetchPlan, detect  # noqa: E402
 from hotstart.model.cursor import LoadCursor  # noqa: E402
+from hotstart.residency import evict, resident_bytes  # noqa: E402
 
 LOADER = r"""
 import mmap, os, sys, time

@@ -33,10 +33,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from hotstart.boot.prefetch import Prefetcher
-from hotstart.boot.residency import evict, resident_bytes
 from hotstart.boot.storage import MiB, PrefetchPlan
 from hotstart.model.files import sidecar_files, weight_files
 from hotstart.procs import tree as descendants_with_parents
+from hotstart.residency import evict, resident_bytes
 from hotstart.system import mem_available
 
 FIELDS = ("VmRSS", "RssAnon", "RssFile", "RssShmem")

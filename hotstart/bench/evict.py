@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hotstart.boot.residency import evict, resident_bytes
+from hotstart.residency import evict, resident_bytes
 
 MODES = ("none", "weights", "all")
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from hotstart.boot import manifest
 from hotstart.boot.populate import Fadvise
-from hotstart.boot.residency import PAGE_SIZE, FileMap
+from hotstart.residency import PAGE_SIZE, FileMap
 
 GATE_TIMEOUT_S = 3.0  # the weights wait at most this long for the import prefetch
 THREADS = 4  # files in flight at once

@@ -34,7 +34,7 @@ import errno
 import mmap
 import os
 
-from hotstart.boot.residency import LOW_BIT, PAGE_SIZE, FileMap, pages
+from hotstart.residency import LOW_BIT, PAGE_SIZE, FileMap, pages
 
 METHODS = ("preadv", "readahead", "fadvise", "madvise")
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14

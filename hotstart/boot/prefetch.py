@@ -26,10 +26,10 @@ from pathlib import Path
 
 from hotstart.boot.iosched import IOPRIO_CLASS_BE, IOPRIO_CLASS_IDLE, set_io_class
 from hotstart.boot.populate import populator
-from hotstart.boot.residency import LOW_BIT, PAGE_SIZE, FileMap, pages
 from hotstart.boot.storage import PrefetchPlan
 from hotstart.boot.tuner import ThreadTuner
 from hotstart.model.cursor import LoadCursor
+from hotstart.residency import LOW_BIT, PAGE_SIZE, FileMap, pages
 
 # Resident gaps shorter than this inside a block are read through rather than splitting the read:
 # copying a cached page costs far less than another syscall and a break in the disk's stream.

@@ -17,6 +17,7 @@ from hotstart.engine.model_runner import ModelRunner, kv_bytes_per_token
 from hotstart.engine.placement import Placement, kv_cache_blocks, max_model_len_for, resolve_placement
 from hotstart.messages import Span
 from hotstart.model.files import weight_files
+from hotstart.model.loader import load_model  # with the engine: the forkserver's preload, not each fork's
 
 if TYPE_CHECKING:
     from hotstart.engine.distributed import Group
@@ -28,8 +29,6 @@ def load(cfg: EngineConfig, on_span: SpanHook | None = None, on_progress: Callab
          group: Group | None = None) -> tuple[Executor, EngineConfig, ModelConfig, int, int, Placement]:
     """(executor, cfg with its weight files, model config, KV blocks, max model length, placement): the
     EngineCore's arguments. ON_PROGRESS: told of the loader's progress (model/cursor.py)."""
-    from hotstart.model.loader import load_model  # noqa: PLC0415
-
     def phase(name: str, start: float, detail: str = "") -> None:
         if on_span is not None:
             on_span(Span(name, start, time.time(), "engine", detail))

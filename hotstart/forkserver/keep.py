@@ -17,8 +17,8 @@ import os
 import resource
 from dataclasses import dataclass, field
 
-from hotstart.boot.residency import resident_bytes
 from hotstart.boot.storage import DEFAULT_RAM_FRACTION
+from hotstart.residency import resident_bytes
 from hotstart.system import available_memory
 
 MADV_POPULATE_READ = 22  # Linux >= 5.14; older kernels: MADV_WILLNEED

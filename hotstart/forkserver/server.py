@@ -62,7 +62,7 @@ class ForkServer:
         self.info = ServerInfo(os.getpid(), preload, __version__, sys.executable, torch_version)
         self.stopping = False
         self.manifest = None  # boot/manifest.py: where to record what the preload read (main() sets it)
-        self.headers: list[str] = []  # GGUF files whose header to parse while idle (_parse_headers)
+        self.warm: list[tuple[str, tuple[str, ...]]] = []  # models an engine was forked for (_warm_caches)
 
     # ---- connections -------------------------------------------------------------------------
     def add_connection(self, conn: socket.socket) -> bool:
@@ -99,9 +99,7 @@ class ForkServer:
                         start, time.time(), self.process, f"pid {pid}")
             if not self._send(conn, EngineSpawned(msg.generation, rank, pid, fork)):
                 return
-        files = msg.config.weight_files
-        if len(files) == 1 and files[0].endswith(".gguf"):
-            self.headers.append(files[0])
+        self.warm.append((msg.config.model_path, tuple(msg.config.weight_files)))
 
     def _child(self, conn: socket.socket, msg, rank: int) -> None:
         code = 1
@@ -174,19 +172,24 @@ class ForkServer:
         except OSError as e:  # a read-only or full $HOTSTART_HOME: the next start reads no manifest
             print(f"hotstart: forkserver: could not record {path}: {e.strerror or e}", file=sys.stderr)
 
-    def _parse_headers(self) -> None:
-        """While idle (never before a fork): the header of each GGUF file an engine was forked for, parsed
-        here once (gguf_file.lean_header, kept per file version) so that the next engine forked for the
-        same file, a many-models swap back to it, inherits it instead of parsing it (~16 ms on the
-        default model). Stdlib only, no torch op. A file that cannot be parsed is the engine's to
-        report."""
-        from hotstart.gguf_file import lean_header  # noqa: PLC0415 - stdlib only, once a GGUF is served
+    def _warm_caches(self) -> None:
+        """While idle (never before a fork): what every engine of a model computes at its start and keeps
+        per version of the files, computed here once for each model an engine was forked for, so that the
+        next engine forked for it (a many-models swap back to it) inherits it: a GGUF's header
+        (gguf_file.lean_header, ~16 ms on the default model) and the prefix cache's snapshot key
+        (model/kv_files.py: a GGUF's first 4 MiB hashed, ~4 ms). Stdlib only, no torch op. What fails
+        here is the engine's to report."""
+        from hotstart.gguf_file import lean_header  # noqa: PLC0415 - stdlib only
+        from hotstart.model import kv_files  # noqa: PLC0415
 
-        paths, self.headers = self.headers, []
-        for path in dict.fromkeys(paths):
+        models, self.warm = self.warm, []
+        for path, files in dict.fromkeys(models):
             try:
-                lean_header(path)
-            except Exception:  # noqa: BLE001, S112 - the engine parses it again and says what is wrong
+                if len(files) == 1 and files[0].endswith(".gguf"):
+                    lean_header(files[0])
+                if files:
+                    kv_files.snapshot_key(path, list(files))
+            except Exception:  # noqa: BLE001, S112 - the engine computes it again and says what is wrong
                 continue
 
     # ---- the loop ----------------------------------------------------------------------------
@@ -202,8 +205,8 @@ class ForkServer:
                 self._reap()
                 if not ready and self.manifest is not None:
                     self._record_manifest()
-                if not ready and self.headers:
-                    self._parse_headers()
+                if not ready and self.warm:
+                    self._warm_caches()
                 for conn in ready:
                     if conn not in self.readers:  # another fd, or dropped while handling an earlier one
                         self._on_other(conn)

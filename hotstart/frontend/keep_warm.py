@@ -15,12 +15,12 @@ import logging
 from collections.abc import Callable
 
 from hotstart.boot.prefetch import Prefetcher
-from hotstart.boot.residency import resident_bytes
 from hotstart.boot.storage import plan_for
 from hotstart.errors import HotstartError
 from hotstart.frontend.memory import mem_total
 from hotstart.frontend.router import ModelRouter, State
 from hotstart.model.files import weight_files
+from hotstart.residency import resident_bytes
 
 log = logging.getLogger("hotstart")
 INTERVAL_S = 30.0

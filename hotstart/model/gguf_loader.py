@@ -6,13 +6,17 @@ modules (model/quant.py) that take the place of the Linear / Embedding the famil
 hotstart/gguf_arch.py; what llama.cpp's converter changed is undone here: llama's q / k head
 permutation (QuantLinear reorders its output; a float weight's rows are put back, a copy), Gemma's
 1 + w norms (w - 1, a copy of a 1-D tensor). Tensors are read in file order and their pages populated
-as they are mapped, the byte position reported as the safetensors loader reports it.
+as they are mapped, the byte position reported as the safetensors loader reports it; a file wholly in
+the page cache already (a many-models swap back to it) is instead populated and touched by one helper
+thread while this one builds the modules (_Filler: the pages are there, nothing to wait for in order).
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,6 +31,7 @@ from hotstart.model.layers import Embedding, FusedLinear, Linear
 from hotstart.model.quant import QuantEmbedding, QuantLinear
 from hotstart.model.safetensors_io import MADV_POPULATE_READ, PAGE, PageToucher
 from hotstart.model_config import ModelConfig
+from hotstart.residency import FileMap
 
 _TORCH = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -60,6 +65,43 @@ class _Mapped:
             pass
 
 
+class _Filler:
+    """MAPPED's pages populated (madvise in one call, the GIL released) and touched once per page (the
+    hypervisor's first-touch cost, PageToucher's docstring) on a helper thread; join() waits for it."""
+
+    def __init__(self, mapped: _Mapped) -> None:
+        self.whole = torch.frombuffer(mapped.mm, dtype=torch.uint8)
+        self.thread = threading.Thread(target=self._run, name="hotstart-gguf-fill", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise(ctypes.c_void_p(self.whole.data_ptr()), ctypes.c_size_t(self.whole.numel()),
+                         ctypes.c_int(MADV_POPULATE_READ))
+            self.whole[::PAGE].sum()
+        except Exception:  # noqa: BLE001, S110 - best effort: the first forward pass faults in the rest
+            pass
+
+    def join(self) -> None:
+        self.thread.join()
+
+
+def _all_resident(path: Path, start: int, end: int) -> bool:
+    """Every page of PATH's bytes [START, END) is in the page cache (mincore); False where that cannot be
+    told."""
+    start = start // PAGE * PAGE
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            with FileMap(fd, os.fstat(fd).st_size) as fm:
+                return end > start and fm.vector(start, end - start).count(0) == 0
+        finally:
+            os.close(fd)
+    except OSError:
+        return False
+
+
 def _unpermute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
     # w: [heads * D, ...] in llama.cpp's order ([h, D/2, 2] per head) -> the checkpoint's ([h, 2, D/2])
     return w.reshape(heads, -1, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
@@ -79,6 +121,8 @@ def load_gguf_model(cfg: ModelConfig, path: str | Path, device: torch.device | s
     expected = dict(model.named_parameters())
     heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
     mapped = _Mapped(gf.path)
+    end = max((i.end for i in gf.tensors.values()), default=0)  # the tensors' bytes: page-cached already?
+    filler = _Filler(mapped) if _all_resident(gf.path, gf.data_offset, end) else None
     toucher = PageToucher()
     for info in gf.tensors.values():
         name = gguf_arch.checkpoint_name(arch, info.name)
@@ -95,13 +139,15 @@ def load_gguf_model(cfg: ModelConfig, path: str | Path, device: torch.device | s
                                f"{list(want)}")
         unpermute = heads.get(module_name.rpartition(".")[2], 0) if arch.unpermute_qk else 0
         src = mapped.view(info)
-        mapped.populate(info)
+        if filler is None:
+            mapped.populate(info)
         if info.quantized:
             if leaf != "weight" or not isinstance(module, (Linear, Embedding)):
                 raise WeightsError(f"{gf.path}: tensor '{info.name}' is quantized ({info.type_name}); "
                                    "only matrices may be")
             _set_quant(model, module_name, module, src.to(device), info, dtype, unpermute)
-            toucher.touch(src)
+            if filler is None:
+                toucher.touch(src)
         else:
             tensor = src
             if unpermute:
@@ -109,12 +155,14 @@ def load_gguf_model(cfg: ModelConfig, path: str | Path, device: torch.device | s
             if arch.norm_shift and module_name.endswith(("norm", "layernorm")):
                 tensor = tensor.float() - 1.0  # Gemma's norms scale by (1 + w): the file holds 1 + w
             param = tensor.to(device=device, dtype=dtype).contiguous()
-            if param.data_ptr() == src.data_ptr():
+            if param.data_ptr() == src.data_ptr() and filler is None:
                 toucher.touch(param)
             module._parameters[leaf] = nn.Parameter(param, requires_grad=False)
         if on_progress is not None:
             on_progress(info.end)
     toucher.close()
+    if filler is not None:
+        filler.join()
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""

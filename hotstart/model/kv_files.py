@@ -21,6 +21,7 @@ the file's mtime). Everything here is plain file I/O: the engine's writer thread
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import os
@@ -48,7 +49,22 @@ def kv_root() -> Path:
 
 def snapshot_key(model_path: str | Path, weight_files: list[str | Path]) -> str:
     """What the weights are, as a folder name (hex): config.json's bytes, then per weight file (by name)
-    its name, size, mtime and safetensors header. OSError when a file is missing."""
+    its name, size, mtime and safetensors header. OSError when a file is missing. Computed once per
+    version of the files (their size, mtime and inode) in a process: an engine forked by a forkserver
+    that computed it already (forkserver/server.py, while idle) does not hash a GGUF's first 4 MiB again."""
+    files = tuple(map(str, weight_files))
+    gguf = Path(model_path).is_file()
+    versions = tuple(_version(p) for p in (files if gguf else (*files, Path(model_path) / "config.json")))
+    return _snapshot_key(str(model_path), files, versions)
+
+
+def _version(path: str | Path) -> tuple[int, int, int]:
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
+@functools.lru_cache(maxsize=16)
+def _snapshot_key(model_path: str, weight_files: tuple[str, ...], versions: tuple) -> str:  # noqa: ARG001
     h = hashlib.sha256(b"hotstart-kv-snapshot\0")
     gguf = Path(model_path).is_file()  # a GGUF file: its metadata (in its first bytes) is its config
     if not gguf:

@@ -21,6 +21,7 @@ from hotstart.errors import WeightsError
 from hotstart.gguf_file import is_gguf
 from hotstart.model import arrival, parallel, registry
 from hotstart.model.decoder import CausalLM
+from hotstart.model.gguf_loader import load_gguf_model
 from hotstart.model.layers import FusedLinear
 from hotstart.model.safetensors_io import PageToucher, SafetensorsFile
 from hotstart.model.upload import StagedCopier
@@ -68,7 +69,6 @@ def load_model(
     if len(files) == 1 and is_gguf(files[0]):
         if tp is not None:
             raise WeightsError(f"{files[0]}: GGUF files are served on one rank (no --tensor-parallel-size)")
-        from hotstart.model.gguf_loader import load_gguf_model  # noqa: PLC0415 - GGUF models only
 
         return load_gguf_model(cfg, files[0], device, dtype, max_positions, on_progress)
     device = torch.device(device)

@@ -17,7 +17,7 @@ from helpers import REPO
 from helpers.disk import disk_backed_dir
 
 from hotstart.boot import iosched, manifest
-from hotstart.boot.residency import FileMap, evict, resident_bytes
+from hotstart.residency import FileMap, evict, resident_bytes
 
 
 def _record_in_child(path: Path, module: str) -> list:

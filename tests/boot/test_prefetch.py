@@ -18,9 +18,9 @@ from helpers.disk import disk_backed_dir
 from hotstart.boot import storage
 from hotstart.boot.populate import METHODS
 from hotstart.boot.prefetch import Prefetcher
-from hotstart.boot.residency import PAGE_SIZE, evict, resident_bytes, resident_map
 from hotstart.boot.storage import MiB, PrefetchOverrides, PrefetchPlan, StorageInfo
 from hotstart.model.cursor import LoadCursor
+from hotstart.residency import PAGE_SIZE, evict, resident_bytes, resident_map
 
 SIZE = 96 * MiB
 # This VM occasionally drops a few dozen clean page-cache pages with no reclaim counted in /proc/vmstat
@@ -323,7 +323,7 @@ def test_plan_for_real_file(big):
 # ---- import hygiene ------------------------------------------------------------------------------------
 
 def test_boot_modules_import_nothing_heavy():
-    code = ("import sys; import hotstart.boot.prefetch, hotstart.boot.storage, hotstart.boot.residency, "
+    code = ("import sys; import hotstart.boot.prefetch, hotstart.boot.storage, hotstart.residency, "
             "hotstart.boot.populate, hotstart.model.cursor, hotstart.boot.timeline; "
             "print([m for m in sys.modules if m.split('.')[0] in "
             "('torch', 'transformers', 'matplotlib', 'numpy', 'safetensors')])")

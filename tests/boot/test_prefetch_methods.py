@@ -12,9 +12,9 @@ from helpers.disk import disk_backed_dir
 from hotstart.boot import populate, storage
 from hotstart.boot.populate import METHODS
 from hotstart.boot.prefetch import Prefetcher
-from hotstart.boot.residency import PAGE_SIZE, evict, resident_bytes, resident_map
 from hotstart.boot.storage import MiB, PrefetchOverrides, PrefetchPlan, StorageInfo
 from hotstart.model.cursor import LoadCursor
+from hotstart.residency import PAGE_SIZE, evict, resident_bytes, resident_map
 
 SIZE = 64 * MiB
 SLACK = 2 * MiB  # see test_prefetch.py: this VM sometimes drops a few clean pages
@@ -65,7 +65,7 @@ def test_zero_copy_methods_populate_without_growing_this_process(cold_file, meth
 def test_populators_wait_for_the_data(cold_file):
     """populate() returns only once every page of the runs is resident (the methods are synchronous
     per block, which bounds the reads in flight to threads x block)."""
-    from hotstart.boot.residency import FileMap
+    from hotstart.residency import FileMap
 
     for method in METHODS:
         _cold(cold_file)

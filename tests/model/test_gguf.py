@@ -200,16 +200,45 @@ def test_the_lean_header_is_parsed_once_per_version_of_the_file(tmp_path, files)
         lean_header(tmp_path / "missing.gguf")
 
 
-def test_the_forkserver_parses_a_served_gguf_header_for_the_engines_it_forks_next(tmp_path, files):
+def test_the_forkserver_computes_a_ggufs_header_and_snapshot_for_the_engines_it_forks_next(tmp_path, files):
     from hotstart.forkserver.server import ForkServer
     from hotstart.gguf_file import _lean
+    from hotstart.model import kv_files
 
     path = tmp_path / "m.gguf"
     path.write_bytes(files("llama", "Q4_0")[0].read_bytes())
     server = ForkServer(Span("preload", 0.0, 0.0, "forkserver"), None)
-    server.headers = [str(path), str(path), str(tmp_path / "missing.gguf")]  # an unreadable one: the engine's
-    before = _lean.cache_info()
-    server._parse_headers()  # while idle, after forking an engine for PATH
-    assert server.headers == [] and _lean.cache_info().misses == before.misses + 1
-    lean_header(path)  # what an engine forked after it finds: parsed already
+    missing = str(tmp_path / "missing.gguf")  # unreadable: the engine's to report
+    server.warm = [(str(path), (str(path),)), (str(path), (str(path),)), (missing, (missing,))]
+    before, keys = _lean.cache_info(), kv_files._snapshot_key.cache_info()
+    server._warm_caches()  # while idle, after forking engines for PATH
+    assert server.warm == [] and _lean.cache_info().misses == before.misses + 1
+    assert kv_files._snapshot_key.cache_info().misses == keys.misses + 1
+    lean_header(path)  # what an engine forked after it finds: computed already
+    key = kv_files.snapshot_key(path, [path])
     assert _lean.cache_info().hits == before.hits + 1
+    assert kv_files._snapshot_key.cache_info().hits == keys.hits + 1
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # rewritten: a new key
+    assert kv_files.snapshot_key(path, [path]) != key
+
+
+def test_a_page_cached_file_loads_the_same_through_the_helper_thread(tmp_path_factory, files):
+    """Cold (evicted): populated and touched tensor by tensor as they are mapped; page-cached (a swap back
+    to it): populated and touched by one helper thread while the modules are built. The same weights."""
+    from helpers.disk import disk_backed_dir
+
+    from hotstart.model import gguf_loader
+    from hotstart.residency import evict
+
+    with disk_backed_dir(tmp_path_factory, "gguf-resident") as d:
+        path = d / "m.gguf"
+        path.write_bytes(files("qwen3", "Q4_K_M")[0].read_bytes())
+        cfg, header = load_model_config(path), lean_header(path)
+        end = max(t.end for t in header.tensors.values())
+        evict(path)
+        assert not gguf_loader._all_resident(path, header.data_offset, end)
+        cold = gguf_loader.load_gguf_model(cfg, path, dtype=torch.float32).state_dict()
+        assert gguf_loader._all_resident(path, header.data_offset, end)  # that load read every tensor
+        warm = gguf_loader.load_gguf_model(cfg, path, dtype=torch.float32).state_dict()
+    assert cold.keys() == warm.keys() and all(torch.equal(cold[k], warm[k]) for k in cold)
+    assert not gguf_loader._all_resident(path, header.data_offset, end)  # gone: told, never raised

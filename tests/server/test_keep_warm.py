@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import os
 
-from hotstart.boot.residency import evict, resident_bytes
 from hotstart.frontend.keep_warm import KeepWarm
 from hotstart.frontend.router import ModelRecord, ModelRouter, State
+from hotstart.residency import evict, resident_bytes
 
 
 def router_of(folder) -> ModelRouter:
