@@ -23,7 +23,7 @@ from hotstart.engine.fastpath.state import IllegalTransition, transition
 from hotstart.engine.model_runner import StepInputs
 from hotstart.messages import FastPathState as S
 from hotstart.messages import FastPathStatus, Span
-from hotstart.model import onednn
+from hotstart.model import cpu_kernels, onednn
 from hotstart.model.files import weight_files
 
 pytestmark = pytest.mark.skipif(not onednn.available(torch.device("cpu"), torch.float32),
@@ -159,7 +159,6 @@ def test_auto_packs_where_it_fits_and_else_groups_for_the_kernels_or_compiles(ti
     weights (no copy made; greedy tokens those of the plain path), or, without them (no compiler or no
     AVX2), the layer graphs."""
     from hotstart.engine.fastpath import plan
-    from hotstart.model import cpu_kernels
     from hotstart.model.layers import Linear
 
     core = _core(tiny_checkpoint("llama"))
@@ -345,3 +344,36 @@ def test_compile_cache_key_changes_with_what_the_graph_depends_on(tiny_checkpoin
     assert json.dumps(LayerSpec.of(cfg).as_dict())  # plain data: it travels to the compile worker
     assert os.path.basename(a) != os.path.basename(cache_folder(LayerSpec.of(load_model_config(
         tiny_checkpoint("qwen3"))), torch.float32))
+
+
+def test_the_kernels_are_attached_a_layer_per_gap_between_steps(tiny_checkpoint):
+    """A busy engine's tick attaches the small-batch kernel to one decoder layer (the tile kernel's copies
+    take milliseconds each: all at once held a gap ~0.45 s on the default model); the engine serves in
+    between on what is attached so far, the layer ops turned on only once every layer has its kernels."""
+    core = _core(tiny_checkpoint("llama"))
+    fast = FastPath(core, "eager-only", core.cfg.compile_bucket_sizes(), lambda m: None)
+    if fast._whys[0]:
+        pytest.skip(f"no small-batch kernel here: {fast._whys[0]}")
+    cpu_kernels.build()
+    layers = core.runner.model.model.layers
+
+    def attached() -> int:
+        return sum(any(getattr(m, "gemv", None) is not None for m in layer.modules()) for layer in layers)
+
+    ids = [(i * 7) % 90 + 3 for i in range(12)]
+    want = greedy_batch(core)
+    seen = []
+    deadline = time.monotonic() + 300
+    while fast.busy() and time.monotonic() < deadline:
+        fast.tick(idle=False)
+        seen.append((attached(), core.runner.model.layer_ops))
+        if 0 < seen[-1][0] < len(layers):
+            assert not seen[-1][1]  # the layer ops wait for every layer
+            assert greedy_batch(core) == want  # serving on a part of the kernels
+        time.sleep(0.01)
+    assert fast.status().packing is S.PACKED, fast.status()
+    counts = [n for n, _ in seen]
+    assert counts[-1] == len(layers) and len(layers) > 1
+    assert any(0 < n < len(layers) for n in counts), counts  # more than one tick
+    assert all(b - a <= 1 for a, b in zip(counts, counts[1:])), counts  # one layer per busy tick
+    assert greedy_batch(core) == want and _all_logits(core, ids).isfinite().all()

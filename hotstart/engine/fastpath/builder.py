@@ -22,7 +22,7 @@ from hotstart.engine.fastpath.cache import (
     usable,
 )
 from hotstart.engine.fastpath.layer_graphs import LayerGraphForward
-from hotstart.engine.fastpath.pack import LM_HEAD, install_kernels, pack_layer
+from hotstart.engine.fastpath.pack import LM_HEAD, KernelInstall, pack_layer
 from hotstart.engine.fastpath.plan import compile_plan, kernel_plans, packing_plan
 from hotstart.engine.fastpath.state import Stage
 from hotstart.messages import BucketState, FastPathStatus, Span
@@ -59,6 +59,7 @@ class FastPath:
         # g++, the staging file it writes, the library's path, when it started
         self._kernels_build: tuple[subprocess.Popen, Path, Path, float] | None = None
         self._kernels_path: Path | None = None  # built, to load once the layers are prepacked
+        self._install: KernelInstall | None = None  # loaded, its kernels attached a few layers per tick
         self._kernels_rebuilt = False  # a library that failed to load is discarded and rebuilt once
         self._pack_t0 = 0.0
         self.forward: LayerGraphForward | None = None  # installed as runner.compiled once compiling
@@ -100,7 +101,7 @@ class FastPath:
                 self._start_packing()
             if self.packing.state is S.PACKING:
                 self._pack(TICK_IDLE_S if idle else 0.0)
-                self._kernels_tick()
+                self._kernels_tick(TICK_IDLE_S if idle else 0.0)
             elif self.compile.state is S.PLANNED:
                 self._start_compiling()
             if self.proc is not None:
@@ -176,8 +177,9 @@ class FastPath:
         self._whys = tuple(w or why for w in self._whys)
         log.error(f"hotstart: engine: no CPU kernels ({why}); oneDNN and torch serve every step")
 
-    def _kernels_tick(self) -> None:
-        """Poll g++; once the layers are prepacked, load the library, attach the kernels, settle the stage."""
+    def _kernels_tick(self, budget_s: float = 0.0) -> None:
+        """Poll g++; once the layers are prepacked, load the library, attach the kernels (a layer, then more
+        while BUDGET_S lasts, per tick), settle the stage."""
         if self._kernels_build is not None:
             proc, tmp, path, t0 = self._kernels_build
             code = proc.poll()
@@ -196,11 +198,10 @@ class FastPath:
             tmp.unlink(missing_ok=True)
         if self._todo:
             return
-        notes = []
         if self._kernels_path is not None:
             path, self._kernels_path = self._kernels_path, None
             try:
-                notes = install_kernels(self.model, path, self._whys, self._copies)
+                self._install = KernelInstall(self.model, path, self._whys, self._copies)
             except Exception as e:  # noqa: BLE001 - e.g. a torn or foreign library: oneDNN serves meanwhile
                 if not self._kernels_rebuilt and home_writable():
                     log.error(f"hotstart: engine: the CPU kernels' library did not load ({e}): rebuilding it")
@@ -209,7 +210,13 @@ class FastPath:
                     self._build_kernels(path)
                     return
                 self._kernels_failed(f"{type(e).__name__}: {e}")
-                notes = []
+        notes = []
+        if self._install is not None:
+            end = time.perf_counter() + budget_s
+            while not self._install.step():
+                if time.perf_counter() >= end:
+                    return  # the next layers in the next gap between steps
+            notes, self._install = self._install.finish(), None
         gemv_why, attention_why, ops_why = self._whys
         if gemv_why:
             notes.append(f"no small-batch kernel: {gemv_why}")

@@ -4,6 +4,8 @@ step bench (bench/engine_setup.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from hotstart.model import cpu_kernels, layer_ops, onednn, quant_kernels
 from hotstart.model.decoder import CausalLM
 from hotstart.model.layers import Linear, PackedGroup
@@ -55,52 +57,96 @@ def attach_gemv(model: CausalLM, tiles: bool = False) -> int:
     steps of up to TILE_MAX_ROWS tokens too, over a repacked copy each (cpu_kernels.Tiles). Returns how
     many modules it serves."""
     calls = 0
-    in_groups: set[int] = set()
-    modules = list(model.model.layers.modules())
-    for m in modules:
-        for attr, linears in (m.pack_groups() if hasattr(m, "pack_groups") else {}).items():
-            group = getattr(m, attr)
-            if group is not None and all(lin.weight.stride(-1) == 1 and lin.weight.is_floating_point()
-                                         for lin in linears):  # ggml blocks: quant_kernels multiplies them
-                weights, biases = [lin.weight for lin in linears], [lin.bias for lin in linears]
-                group.gemv = cpu_kernels.Segments(weights, biases, tiles)
-                in_groups.update(id(lin) for lin in linears)
+    for calls in gemv_steps(model, tiles):  # noqa: B007 - the last count is the total
+        pass
+    return calls
+
+
+def gemv_steps(model: CausalLM, tiles: bool = False) -> Iterator[int]:
+    """attach_gemv a decoder layer at a time, the LM head last; each yield: the modules served so far. With
+    TILES a layer's repacked copies take milliseconds (a 135M model's 121 linears ~0.45 s in all): the fast
+    path attaches a layer or a few per gap between steps, so no gap waits for all of them."""
+    calls = 0
+    for layer in model.model.layers:
+        in_groups: set[int] = set()
+        modules = list(layer.modules())
+        for m in modules:
+            for attr, linears in (m.pack_groups() if hasattr(m, "pack_groups") else {}).items():
+                group = getattr(m, attr)
+                if group is not None and all(
+                        lin.weight.stride(-1) == 1 and lin.weight.is_floating_point()
+                        for lin in linears):  # ggml blocks: quant_kernels multiplies them
+                    weights, biases = [lin.weight for lin in linears], [lin.bias for lin in linears]
+                    group.gemv = cpu_kernels.Segments(weights, biases, tiles)
+                    in_groups.update(id(lin) for lin in linears)
+                    calls += 1
+        for m in modules:
+            if isinstance(m, Linear) and id(m) not in in_groups and m.weight.stride(-1) == 1:
+                m.gemv = cpu_kernels.Segments([m.weight], [m.bias], tiles)
                 calls += 1
-    for m in modules:
-        if isinstance(m, Linear) and id(m) not in in_groups and m.weight.stride(-1) == 1:
-            m.gemv = cpu_kernels.Segments([m.weight], [m.bias], tiles)
-            calls += 1
+        yield calls
     head = model.output_weight()
     if head.stride(-1) == 1 and head.is_floating_point():  # a GGUF's quantized head: quant_kernels
         model.lm_head_gemv = cpu_kernels.Segments([model.output_weight()], [None], tiles)
         calls += 1
-    return calls
+    yield calls
+
+
+class KernelInstall:
+    """The CPU kernels' library built at PATH put to work as the plan allows (WHYS: plan.kernel_plans'
+    reasons for the GEMV, the decode attention, the layer ops; a reason keeps that one off; without COPIES,
+    no tile kernel: its copies would not fit), in pieces: the constructor loads the library (and the
+    quantized matmul), step() attaches the small-batch kernel to one more decoder layer (True once none is
+    left), finish() turns on the decode attention and the layer ops and returns what now runs, for the
+    packing stage's detail. The model serves between the pieces (a linear without its kernel yet runs on
+    oneDNN)."""
+
+    def __init__(self, model: CausalLM, path, whys: tuple[str, str, str], copies: bool = True) -> None:
+        self.model, self.whys = model, whys
+        cpu_kernels.load(path)
+        model.layer_ops = False  # until finish(): the layer ops want every layer's kernels
+        self.notes: list[str] = []
+        if quant_kernels.quantized(model):  # the library's quantized matmul, through model/quant.py's hook
+            self.notes.append(quant_kernels.install()
+                              or "no quantized matmul kernels (the reference path serves)")
+        self.steps: Iterator[int] | None = None
+        self.calls, self.upto = 0, 0
+        if not whys[0]:
+            weight = model.output_weight()
+            tiles = copies and cpu_kernels.tiles_supported(weight.dtype, weight.device)
+            self.upto = cpu_kernels.TILE_MAX_ROWS if tiles else cpu_kernels.MAX_ROWS
+            self.steps = gemv_steps(model, tiles)
+
+    def step(self) -> bool:
+        if self.steps is not None:
+            calls = next(self.steps, None)
+            if calls is None:
+                self.steps = None
+            else:
+                self.calls = calls
+        return self.steps is None
+
+    def finish(self) -> list[str]:
+        gemv_why, attention_why, ops_why = self.whys
+        model, notes = self.model, list(self.notes)
+        if self.calls:
+            notes.append(f"small-batch kernels on {self.calls} linears (<= {self.upto} tokens)")
+        cpu_kernels.enable_attention(not attention_why)
+        if not attention_why:
+            prefill = " + bf16 prefill kernel" if cpu_kernels.prefill_enabled() else ""
+            notes.append(f"paged decode kernel{prefill}")
+        model.layer_ops = False
+        if not ops_why:  # the plan allows them: the model's layers decide
+            family_why = layer_ops.unsupported(model)
+            model.layer_ops = not family_why
+            notes.append(f"no layer ops: {family_why}" if family_why else "layer ops")
+        return notes
 
 
 def install_kernels(model: CausalLM, path, whys: tuple[str, str, str], copies: bool = True) -> list[str]:
-    """Load the CPU kernels' library built at PATH and put the kernels the plan allows to work (WHYS:
-    plan.kernel_plans' reasons for the GEMV, the decode attention, the layer ops; a reason keeps that one
-    off; without COPIES, no tile kernel: its copies would not fit). -> what now runs, for the packing
-    stage's detail. The fast path (behind READY) and the step bench both install them here."""
-    gemv_why, attention_why, ops_why = whys
-    cpu_kernels.load(path)
-    notes = []
-    if quant_kernels.quantized(model):  # the library's quantized matmul, through model/quant.py's hook
-        notes.append(quant_kernels.install() or "no quantized matmul kernels (the reference path serves)")
-    if not gemv_why:
-        weight = model.output_weight()
-        tiles = copies and cpu_kernels.tiles_supported(weight.dtype, weight.device)
-        upto = cpu_kernels.TILE_MAX_ROWS if tiles else cpu_kernels.MAX_ROWS
-        calls = attach_gemv(model, tiles)
-        if calls:
-            notes.append(f"small-batch kernels on {calls} linears (<= {upto} tokens)")
-    cpu_kernels.enable_attention(not attention_why)
-    if not attention_why:
-        prefill = " + bf16 prefill kernel" if cpu_kernels.prefill_enabled() else ""
-        notes.append(f"paged decode kernel{prefill}")
-    model.layer_ops = False
-    if not ops_why:  # the plan allows them: the model's layers decide
-        family_why = layer_ops.unsupported(model)
-        model.layer_ops = not family_why
-        notes.append(f"no layer ops: {family_why}" if family_why else "layer ops")
-    return notes
+    """KernelInstall at once (the step bench, the tests); the fast path runs it a piece per gap between
+    steps."""
+    install = KernelInstall(model, path, whys, copies)
+    while not install.step():
+        pass
+    return install.finish()
