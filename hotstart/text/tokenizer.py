@@ -69,6 +69,7 @@ class Tokenizer:
         self.all_special_ids |= {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
         if "default" in self._templates:
             self._template("default")  # a broken template fails at startup, not on the first request
+        self.max_token_chars()  # a walk over the vocabulary (~10 ms on 49k tokens): here, not in a request
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -113,7 +114,7 @@ class Tokenizer:
 
     def max_token_chars(self) -> int:
         """The most characters one token of the vocabulary spells (byte-level pieces count their bytes,
-        <0xNN> byte tokens their name: an upper bound). Computed once."""
+        <0xNN> byte tokens their name: an upper bound). Computed once, when the tokenizer is built."""
         if "_max_token_chars" not in self.__dict__:
             vocab = self._backend.get_vocab(with_added_tokens=True)
             self.__dict__["_max_token_chars"] = max(map(len, vocab), default=1)
