@@ -9,6 +9,11 @@
 namespace hsq {
 
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx512vbmi,f16c")))
+#define VNNI_INLINE VNNI inline __attribute__((always_inline))  // per vector / chunk: no call in the loop
+
+VNNI_INLINE __m512i both_halves(const void *p) {  // 32 bytes at P in each half: a broadcast load (no shuffle)
+    return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p));
+}
 
 VNNI inline __m512 halves(__m512i v) {  // the low fp16 of each 32-bit lane -> float32
     return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v));
@@ -16,7 +21,7 @@ VNNI inline __m512 halves(__m512i v) {  // the low fp16 of each 32-bit lane -> f
 
 // the 16 groups of chunk c: s and o vectors; groups past `valid` are 0
 template <int T>
-VNNI void scales(const uint8_t *r, int64_t c, int valid, __m512 &s, __m512 &o) {
+VNNI_INLINE void scales(const uint8_t *r, int64_t c, int valid, __m512 &s, __m512 &o) {
     Info in;
     info(T, in);
     const __mmask16 keep = (__mmask16)(valid >= 16 ? 0xffff : (1u << valid) - 1);
@@ -67,15 +72,14 @@ VNNI void scales(const uint8_t *r, int64_t c, int valid, __m512 &s, __m512 &o) {
 
 // vector v of chunk c: 64 codes in x's order; half_only: block 2v + 1 of a 32-element type is past the row
 template <int T>
-VNNI __m512i codes(const uint8_t *r, int64_t c, int v, bool half_only) {
+VNNI_INLINE __m512i codes(const uint8_t *r, int64_t c, int v, bool half_only) {
     Info in;
     info(T, in);
     const __m512i f = _mm512_set1_epi8(0x0f);
     if (T == Q6_K) {  // v: half v / 2; even: low nibbles, qh bits 0-1 | 2-3; odd: high nibbles, bits 4-5 | 6-7
         const uint8_t *b = r + c * in.bytes;
         const __m512i ql = _mm512_loadu_si512(b + 64 * (v / 2));
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * (v / 2)));
-        const __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1);
+        const __m512i h = both_halves(b + 128 + 32 * (v / 2));
         const int sh = 4 * (v & 1);
         const __m512i shifts = _mm512_inserti64x4(_mm512_set1_epi16((short)sh), _mm256_set1_epi16((short)(sh + 2)), 1);
         const __m512i low = _mm512_and_si512(_mm512_srli_epi16(ql, sh), f);
@@ -85,12 +89,10 @@ VNNI __m512i codes(const uint8_t *r, int64_t c, int v, bool half_only) {
     if (T == Q4_K || T == Q5_K) {  // v: super-block 2c + v / 4, its 32 bytes j = v % 4: low then high nibbles
         const uint8_t *b = r + (2 * c + v / 4) * in.bytes;
         const int j = v % 4;
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(b + (T == Q5_K ? 48 : 16) + 32 * j));
-        __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(q), q, 1);
+        __m512i z = both_halves(b + (T == Q5_K ? 48 : 16) + 32 * j);
         z = _mm512_and_si512(_mm512_mask_srli_epi16(z, 0xffff0000u, z, 4), f);
         if (T == Q5_K) {  // bit 2j of qh[l]: element 64j + l's fifth bit; bit 2j + 1: element 64j + 32 + l's
-            const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
-            const __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1);
+            const __m512i h = both_halves(b + 16);
             const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (2 * j))),
                                                    _mm256_set1_epi8((char)(1 << (2 * j + 1))), 1);
             z = _mm512_or_si512(z, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(h, bit), _mm512_set1_epi8(16)));
