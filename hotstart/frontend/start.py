@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hotstart.boot.timeline import Timeline
-from hotstart.errors import HotstartError
+from hotstart.errors import HotstartError, WeightsError
 
 if TYPE_CHECKING:
     from hotstart.boot.resolve import ResolvedModel
@@ -81,7 +81,14 @@ class EngineStart:
 
                 resolved = resolve_model(spec, revision)
             self.model = resolved
-            self.files = weight_files(resolved.path)
+            try:
+                self.files = weight_files(resolved.path)
+            except WeightsError:
+                # a shard whose download failed already is gone from the folder: say why, not "missing"
+                downloader = getattr(resolved.remote, "downloader", None)
+                if downloader is not None and downloader.error:
+                    raise WeightsError(downloader.error) from None
+                raise
             span.detail = f"{resolved.source}: {resolved.path}"
         self.remote = resolved.remote  # s3:// models (boot/remote/): the weights may be arriving
         if self.remote is not None:
