@@ -31,6 +31,12 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 LOW_BIT = bytes(i & 1 for i in range(256))
 
 
+def madvise(address: int, length: int, advice: int) -> int:
+    """madvise(2) on [address, address+length) of any mapping of this process: 0, or the errno. Never
+    raises; the GIL is released for the call (a populate may take a while)."""
+    return 0 if _libc.madvise(address, length, advice) == 0 else ctypes.get_errno()
+
+
 def pages(nbytes: int) -> int:
     """Number of pages covering `nbytes`."""
     return (nbytes + PAGE_SIZE - 1) // PAGE_SIZE
@@ -73,7 +79,7 @@ class FileMap:
         length = min(length, self.size - offset)
         if length <= 0 or self._addr is None:
             return 0
-        return 0 if _libc.madvise(self._addr + offset, length, advice) == 0 else ctypes.get_errno()
+        return madvise(self._addr + offset, length, advice)
 
     def vector(self, offset: int = 0, length: int | None = None) -> bytes:
         """Per-page residency (one byte 0/1 per page) of [offset, offset+length)."""
@@ -94,12 +100,13 @@ class FileMap:
         self.close()
 
 
-def resident_map(path: str | os.PathLike) -> bytearray:
-    """Per-page residency vector of the file at `path`: one byte per page, 1 if in the page cache."""
+def resident_map(path: str | os.PathLike, offset: int = 0, length: int | None = None) -> bytearray:
+    """Per-page residency vector of the file at `path` (of its bytes [offset, offset+length), `offset` page
+    aligned; default: all of it): one byte per page, 1 if in the page cache."""
     fd = os.open(path, os.O_RDONLY)
     try:
         with FileMap(fd, os.fstat(fd).st_size) as fm:
-            return bytearray(fm.vector())
+            return bytearray(fm.vector(offset, length))
     finally:
         os.close(fd)
 

@@ -179,13 +179,13 @@ class ForkServer:
         (gguf_file.lean_header, ~16 ms on the default model) and the prefix cache's snapshot key
         (model/kv_files.py: a GGUF's first 4 MiB hashed, ~4 ms). Stdlib only, no torch op. What fails
         here is the engine's to report."""
-        from hotstart.gguf_file import lean_header  # noqa: PLC0415 - stdlib only
+        from hotstart.gguf_file import is_gguf, lean_header  # noqa: PLC0415 - stdlib only
         from hotstart.model import kv_files  # noqa: PLC0415
 
         models, self.warm = self.warm, []
         for path, files in dict.fromkeys(models):
             try:
-                if len(files) == 1 and files[0].endswith(".gguf"):
+                if len(files) == 1 and is_gguf(files[0]):  # as model/loader.py tells one
                     lean_header(files[0])
                 if files:
                     kv_files.snapshot_key(path, list(files))

@@ -36,7 +36,6 @@ if TYPE_CHECKING:
     from hotstart.forkserver.client import EngineLauncher
 
 
-
 class SharedLauncher:
     """One EngineLauncher (its forkserver or zygote) shared by the engines of many models."""
 

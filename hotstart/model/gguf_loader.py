@@ -13,7 +13,6 @@ thread while this one builds the modules (_Filler: the pages are there, nothing 
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 import threading
@@ -31,7 +30,7 @@ from hotstart.model.layers import Embedding, FusedLinear, Linear
 from hotstart.model.quant import QuantEmbedding, QuantLinear
 from hotstart.model.safetensors_io import MADV_POPULATE_READ, PAGE, PageToucher
 from hotstart.model_config import ModelConfig
-from hotstart.residency import FileMap
+from hotstart.residency import madvise, resident_map
 
 _TORCH = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -76,9 +75,7 @@ class _Filler:
 
     def _run(self) -> None:
         try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.madvise(ctypes.c_void_p(self.whole.data_ptr()), ctypes.c_size_t(self.whole.numel()),
-                         ctypes.c_int(MADV_POPULATE_READ))
+            madvise(self.whole.data_ptr(), self.whole.numel(), MADV_POPULATE_READ)
             self.whole[::PAGE].sum()
         except Exception:  # noqa: BLE001, S110 - best effort: the first forward pass faults in the rest
             pass
@@ -92,12 +89,7 @@ def _all_resident(path: Path, start: int, end: int) -> bool:
     told."""
     start = start // PAGE * PAGE
     try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            with FileMap(fd, os.fstat(fd).st_size) as fm:
-                return end > start and fm.vector(start, end - start).count(0) == 0
-        finally:
-            os.close(fd)
+        return end > start and resident_map(path, start, end - start).count(0) == 0
     except OSError:
         return False
 

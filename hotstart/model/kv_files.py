@@ -53,9 +53,9 @@ def snapshot_key(model_path: str | Path, weight_files: list[str | Path]) -> str:
     version of the files (their size, mtime and inode) in a process: an engine forked by a forkserver
     that computed it already (forkserver/server.py, while idle) does not hash a GGUF's first 4 MiB again."""
     files = tuple(map(str, weight_files))
-    gguf = Path(model_path).is_file()
+    gguf = Path(model_path).is_file()  # a GGUF file: no config.json beside it
     versions = tuple(_version(p) for p in (files if gguf else (*files, Path(model_path) / "config.json")))
-    return _snapshot_key(str(model_path), files, versions)
+    return _snapshot_key(str(model_path), files, gguf, versions)
 
 
 def _version(path: str | Path) -> tuple[int, int, int]:
@@ -64,10 +64,10 @@ def _version(path: str | Path) -> tuple[int, int, int]:
 
 
 @functools.lru_cache(maxsize=16)
-def _snapshot_key(model_path: str, weight_files: tuple[str, ...], versions: tuple) -> str:  # noqa: ARG001
+def _snapshot_key(model_path: str, weight_files: tuple[str, ...], gguf: bool,
+                  versions: tuple) -> str:  # noqa: ARG001 - VERSIONS: the cache's key
     h = hashlib.sha256(b"hotstart-kv-snapshot\0")
-    gguf = Path(model_path).is_file()  # a GGUF file: its metadata (in its first bytes) is its config
-    if not gguf:
+    if not gguf:  # a GGUF file: its metadata (in its first bytes) is its config
         h.update((Path(model_path) / "config.json").read_bytes())
     for path in sorted(map(Path, weight_files), key=lambda p: p.name):
         with open(path, "rb") as f:

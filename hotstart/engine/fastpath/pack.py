@@ -135,8 +135,7 @@ class KernelInstall:
         if not attention_why:
             prefill = " + bf16 prefill kernel" if cpu_kernels.prefill_enabled() else ""
             notes.append(f"paged decode kernel{prefill}")
-        model.layer_ops = False
-        if not ops_why:  # the plan allows them: the model's layers decide
+        if not ops_why:  # the plan allows them (off since the constructor): the model's layers decide
             family_why = layer_ops.unsupported(model)
             model.layer_ops = not family_why
             notes.append(f"no layer ops: {family_why}" if family_why else "layer ops")

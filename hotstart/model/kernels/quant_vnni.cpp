@@ -35,11 +35,13 @@ VNNI float row(const uint8_t *r, int64_t K, const int8_t *q, const float *da, co
     constexpr int GS = T == Q6_K ? 16 : 32, PER = 16 * GS / 64;  // vectors per 16 groups
     const int64_t groups = K / GS;
     __m512 acc = _mm512_setzero_ps(), acc2 = _mm512_setzero_ps();  // two chains: the fma's latency
-    constexpr int64_t CHUNK_BYTES = T == Q6_K ? 210 : T == Q8_0 ? 16 * 34 : 2 * (T == Q5_K ? 176 : 144);
+    Info in;
+    info(T, in);
+    const int64_t chunk_bytes = 16 * GS / in.block * in.bytes;  // 16 groups' blocks
     for (int64_t c = 0; c * 16 < groups; c++) {
         const int valid = groups - c * 16 < 16 ? (int)(groups - c * 16) : 16;
-        for (int64_t p = 0; p < CHUNK_BYTES; p += 64)  // PREFETCH_BYTES ahead: past a row's end, the next row
-            _mm_prefetch((const char *)r + (c * CHUNK_BYTES + PREFETCH_BYTES + p), _MM_HINT_T0);
+        for (int64_t p = 0; p < chunk_bytes; p += 64)  // PREFETCH_BYTES ahead: past a row's end, the next row
+            _mm_prefetch((const char *)r + (c * chunk_bytes + PREFETCH_BYTES + p), _MM_HINT_T0);
         __m512 s, o;
         scales<T>(r, c, valid, s, o);
         const __m512 scale = _mm512_mul_ps(s, _mm512_loadu_ps(da + c * 16));
