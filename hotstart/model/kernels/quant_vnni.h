@@ -15,6 +15,12 @@ VNNI_INLINE __m512i both_halves(const void *p) {  // 32 bytes at P in each half:
     return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p));
 }
 
+VNNI_INLINE float half_at(const uint8_t *p) {  // fp16 at P -> float (F16C: exact, as fp16_at)
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
 VNNI inline __m512 halves(__m512i v) {  // the low fp16 of each 32-bit lane -> float32
     return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v));
 }
@@ -28,36 +34,35 @@ VNNI_INLINE void scales(const uint8_t *r, int64_t c, int valid, __m512 &s, __m51
     if (T == Q6_K) {  // one super-block: 16 int8 sub-scales times d
         const uint8_t *b = r + c * in.bytes;
         const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192))));
-        s = _mm512_mul_ps(sc, _mm512_set1_ps(fp16_at(b + 208)));
+        s = _mm512_mul_ps(sc, _mm512_set1_ps(half_at(b + 208)));
         o = _mm512_mul_ps(s, _mm512_set1_ps(-32.0f));
     } else if (T == Q4_K || T == Q5_K) {  // two super-blocks of 8 groups (the second absent past valid)
-        // 12 scale bytes q -> bytes 0-7: 6-bit scales, 8-15: 6-bit mins (ggml's get_scale_min_k4)
-        const __m128i lo_idx = _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11);
-        const __m128i hi_idx = _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7);
-        const __m128i mask6 = _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0);
-        const __m128i top4 = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15);
-        __m512 f[2], d[2], dmin[2];
-        for (int h = 0; h < 2; h++) {
-            if (h * 8 >= valid) {
-                f[h] = d[h] = dmin[h] = _mm512_setzero_ps();
-                continue;
-            }
-            const uint8_t *b = r + (2 * c + h) * in.bytes;
-            __m128i q;
-            memcpy(&q, b, 16);  // d, dmin, scales[12]: the scales are bytes 4 - 15
-            q = _mm_srli_si128(q, 4);
-            const __m128i a = _mm_shuffle_epi8(q, lo_idx), hb = _mm_shuffle_epi8(q, hi_idx);
-            const __m128i low = _mm_or_si128(_mm_and_si128(a, mask6), _mm_and_si128(_mm_srli_epi16(a, 4), top4));
-            const __m128i high = _mm_and_si128(_mm_srli_epi16(hb, 2), _mm_set1_epi8(0x30));
-            f[h] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_or_si128(low, high)));
-            d[h] = _mm512_set1_ps(fp16_at(b));
-            dmin[h] = _mm512_set1_ps(-fp16_at(b + 2));
-        }
-        const __m512i sel_s = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-        const __m512i sel_o = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-        const __m512 ds = _mm512_mask_blend_ps(0xff00, d[0], d[1]), dm = _mm512_mask_blend_ps(0xff00, dmin[0], dmin[1]);
-        s = _mm512_mul_ps(_mm512_permutex2var_ps(f[0], sel_s, f[1]), ds);
-        o = _mm512_mul_ps(_mm512_permutex2var_ps(f[0], sel_o, f[1]), dm);
+        // each super-block's first 16 bytes (d, dmin, scales[12]) in a 128-bit lane of its own, then per
+        // lane: 12 scale bytes q -> bytes 0-7: 6-bit scales, 8-15: 6-bit mins (ggml's get_scale_min_k4)
+        const uint8_t *b = r + 2 * c * in.bytes;
+        const __m128i first = _mm_loadu_si128((const __m128i *)b);
+        const __m256i q = _mm256_inserti128_si256(
+            _mm256_castsi128_si256(first), valid > 8 ? _mm_loadu_si128((const __m128i *)(b + in.bytes)) : _mm_setzero_si128(), 1);
+        const __m256i lo_idx = _mm256_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15,
+                                                4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m256i hi_idx = _mm256_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11,
+                                                -1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11);
+        const __m256i mask6 = _mm256_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0,
+                                               63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0);
+        const __m256i top4 = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15,
+                                              0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15);
+        const __m256i a = _mm256_shuffle_epi8(q, lo_idx), hb = _mm256_shuffle_epi8(q, hi_idx);
+        const __m256i low = _mm256_or_si256(_mm256_and_si256(a, mask6), _mm256_and_si256(_mm256_srli_epi16(a, 4), top4));
+        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(hb, 2), _mm256_set1_epi8(0x30));
+        // [scales 0, mins 0 | scales 1, mins 1] -> [scales 0, scales 1 | mins 0, mins 1]
+        const __m256i sm = _mm256_permute4x64_epi64(_mm256_or_si256(low, high), 0xd8);
+        // d0, dmin0, d1, dmin1 (fp16, dwords 0 and 4) -> float, the mins' sign folded in
+        const __m128i h = _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(q, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4)));
+        const __m512 dd = _mm512_castps128_ps512(_mm_mul_ps(_mm_cvtph_ps(h), _mm_setr_ps(1.0f, -1.0f, 1.0f, -1.0f)));
+        const __m512 ds = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2), dd);
+        const __m512 dm = _mm512_permutexvar_ps(_mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3), dd);
+        s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(sm))), ds);
+        o = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(sm, 1))), dm);
     } else {  // 16 blocks: a gather of each block's first 4 bytes (d, and m or the next 2 bytes)
         const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                               _mm512_set1_epi32(in.bytes));
