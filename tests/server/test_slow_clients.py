@@ -24,7 +24,7 @@ from hotstart.server.connections import (
     protocol_class,
 )
 
-WRITE_S, PER_CLIENT = 1.0, 4  # 1 s: a reader descheduled in a loaded suite is not a stalled client
+WRITE_S, PER_CLIENT = 2.0, 4  # 2 s: a reader descheduled in a loaded suite (1 s cut one) is not stalled
 streams: dict[str, dict] = {}  # ?id= -> what the app saw: chunks sent, when it ended, whether cancelled
 
 
