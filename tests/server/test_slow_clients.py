@@ -56,6 +56,10 @@ def url():
     config = uvicorn.Config(app, http=protocol_class(limits), lifespan="off", log_level="error")
     server = UvicornServer(config)
     sock = socket.socket()
+    # a fixed send buffer, inherited by the accepted sockets: loopback's autotuned one grows to megabytes,
+    # and the kernel wakes a writer only when a third of it is free, so a slow reader's drain reached the
+    # server's transport in bursts a second or more apart on a loaded machine (a slow link is not like that)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 17)
     sock.bind(("127.0.0.1", 0))
     thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
     thread.start()
