@@ -95,7 +95,12 @@ def test_short_soak_sends_every_kind_and_survives_a_kill(tmp_path):
     roles = Counter(p["role"] for p in procs.values() if not p["gone"])
     assert roles["forkserver"] == 1 and roles["engine"] == 2, procs
     assert procs[str(fault["pid"])]["gone"] and procs[str(fault["pid"])]["role"] == "engine"
-    assert all(p["rss_end"] > 10 and p["fds_end"] > 0 for p in procs.values())
+    # real figures for the server's own processes: one that lives on has them at the end; a gone one's last
+    # sample may catch it exiting (memory and descriptors already released: a loaded suite run saw that). An
+    # engine's short-lived children (g++ building the kernel library on a fresh machine) are small: skipped
+    own = [p for p in procs.values() if p["role"] in ("api", "forkserver", "engine")]
+    assert all(p["rss_end"] > 10 and p["fds_end"] > 0 for p in own if not p["gone"]), procs
+    assert all(p["rss_max"] > 10 for p in own), procs
 
     windows = data["windows"]
     assert [w["t0"] for w in windows] == [0, 6] and sum(w["requests"] for w in windows) == len(records)
