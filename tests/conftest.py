@@ -29,6 +29,9 @@ def pytest_configure(config):
     # activations, as llama.cpp's) flip near-ties of this 135M model, and they would switch in mid-test
     # once a server's g++ finished. tests/model/test_quant_kernels.py tests the kernels, served included.
     os.environ.setdefault("HOTSTART_QUANT_KERNEL", "off")
+    # ... and keeps its dequantized weights (the same products, bit for bit: model/quant.py): a step of the
+    # default model dequantized 135M weights, ~0.25 s a token on one thread of an AVX2 host
+    os.environ.setdefault("HOTSTART_QUANT_KEEP_DEQUANTIZED", "1")
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ.setdefault("OMP_NUM_THREADS", "1")
 

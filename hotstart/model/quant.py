@@ -18,7 +18,9 @@ The reference path (any host): dequantize W per call, in float32, exactly as the
 dequantization does (bit-identical: tests/model/test_gguf.py), in row chunks, then F.linear in float32
 (bf16 activations too: no second rounding of the weights, and no bf16 GEMM, slow on CPUs without
 AVX512-BF16). Its cost per step is a pass over the dequantized weights: correct everywhere, fast
-nowhere; the kernel is the fast path.
+nowhere; the kernel is the fast path. HOTSTART_QUANT_KEEP_DEQUANTIZED=1 (for tests and debugging, with
+HOTSTART_QUANT_KERNEL=off) makes each QuantLinear keep its float32 chunks after their first use: the same
+products, bit for bit, without the per-step dequantization, at 4-8x the file's bytes in memory.
 
 Block layouts (ggml-common.h; d, dmin, m: float16 scales; q: packed integers):
     Q4_0 [d, qs 16]: x = d * (q - 8)              Q4_1 [d, m, qs 16]: x = d * q + m
@@ -31,6 +33,7 @@ Block layouts (ggml-common.h; d, dmin, m: float16 scales; q: packed integers):
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -46,6 +49,7 @@ Many = Callable[[torch.Tensor, list], "torch.Tensor | None"]
 _kernel: Kernel | None = None
 _many: Many | None = None
 CHUNK_ELEMENTS = 1 << 22  # dequantize at most this many weights at a time (16 MiB of float32)
+KEEP_DEQUANTIZED = os.environ.get("HOTSTART_QUANT_KEEP_DEQUANTIZED") == "1"
 
 
 def set_kernel(fn: Kernel | None, many: Many | None = None) -> None:
@@ -152,26 +156,34 @@ def dequantize(w: torch.Tensor, ggml_type: int) -> torch.Tensor:
     return _BLOCKS[ggml_type](blocks).reshape(*lead, row_bytes // size * block)
 
 
-def reference_matmul(x: torch.Tensor, w: torch.Tensor, ggml_type: int) -> torch.Tensor:
-    """x: [M, K], w: [N, row_bytes] -> [M, N] float32: F.linear over W dequantized (row chunks at a time)."""
+def reference_matmul(x: torch.Tensor, w: torch.Tensor, ggml_type: int,
+                     kept: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """x: [M, K], w: [N, row_bytes] -> [M, N] float32: F.linear over W dequantized (row chunks at a time).
+    kept: a list that holds (or is filled with) W's dequantized chunks: later calls skip dequantizing."""
     x = x.float()
     rows = max(1, CHUNK_ELEMENTS // max(1, x.shape[-1]))
+    starts = range(0, w.shape[0], rows)
+    if kept is not None and not kept:
+        kept.extend(dequantize(w[r:r + rows], ggml_type) for r in starts)
+    chunks = kept if kept is not None else (dequantize(w[r:r + rows], ggml_type) for r in starts)
     if w.shape[0] <= rows:
-        return F.linear(x, dequantize(w, ggml_type))
+        return F.linear(x, next(iter(chunks)))
     out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32, device=x.device)
-    for r in range(0, w.shape[0], rows):
-        out[:, r:r + rows] = F.linear(x, dequantize(w[r:r + rows], ggml_type))
+    for r, chunk in zip(starts, chunks):
+        out[:, r:r + rows] = F.linear(x, chunk)
     return out
 
 
-def matmul(x: torch.Tensor, w: torch.Tensor, ggml_type: int) -> torch.Tensor:
-    """x: [M, K] -> [M, N] float32: the registered kernel where it handles the call, else the reference."""
+def matmul(x: torch.Tensor, w: torch.Tensor, ggml_type: int,
+           kept: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """x: [M, K] -> [M, N] float32: the registered kernel where it handles the call, else the reference
+    (kept: reference_matmul's)."""
     if _kernel is not None:
         x = x.contiguous()
         y = _kernel(x, w, ggml_type)
         if y is not None:
             return y
-    return reference_matmul(x, w, ggml_type)
+    return reference_matmul(x, w, ggml_type, kept)
 
 
 class QuantLinear(nn.Module):
@@ -190,11 +202,12 @@ class QuantLinear(nn.Module):
         self.ggml_type, self.in_features, self.out_features = ggml_type, in_features, weight.shape[0]
         self.unpermute_heads = unpermute_heads
         self.split_sizes = split_sizes  # a fused checkpoint tensor (Phi-3's qkv, gate_up): its parts
+        self.kept: list[torch.Tensor] | None = [] if KEEP_DEQUANTIZED else None  # float32 row chunks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out] in x's dtype
         lead = x.shape[:-1]
-        y = matmul(x.reshape(-1, self.in_features), self.weight, self.ggml_type)
+        y = matmul(x.reshape(-1, self.in_features), self.weight, self.ggml_type, self.kept)
         return self.finish(y, x.dtype).view(*lead, self.out_features)
 
     def finish(self, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

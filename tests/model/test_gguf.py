@@ -62,6 +62,21 @@ def test_quant_linear_reference_and_the_kernel_slot():
     assert calls == [((1, 512), (5, 288), 12), ((3, 512), (5, 288), 12)]
 
 
+@pytest.mark.parametrize("chunk", [1 << 22, 512 * 3])  # one chunk; three rows a chunk (a 2-row last chunk)
+def test_kept_dequantized_chunks_give_the_same_products_bit_for_bit(monkeypatch, chunk):
+    monkeypatch.setattr(quant, "CHUNK_ELEMENTS", chunk)
+    rng = np.random.default_rng(1)
+    w = torch.from_numpy(random_blocks("Q4_1", 11, 512, rng))
+    kept: list[torch.Tensor] = []
+    for m in (1, 4, 1):
+        x = torch.randn(m, 512)
+        assert torch.equal(quant.reference_matmul(x, w, 3, kept), quant.reference_matmul(x, w, 3))
+    assert len(kept) == (1 if chunk > 11 * 512 else 4)  # filled by the first call, reused after
+    assert torch.equal(torch.cat(kept), quant.dequantize(w, 3))
+    kept[0].fill_(0)  # later calls use what was kept, not a new dequantization
+    assert not torch.equal(quant.reference_matmul(x, w, 3, kept), quant.reference_matmul(x, w, 3))
+
+
 def _same_header(path):
     import gguf
 
