@@ -29,7 +29,7 @@ from hotstart.messages import (
     SpawnEngine,
     StopEngine,
 )
-from hotstart.procs import wait_gone
+from hotstart.procs import descendants, wait_gone
 
 if TYPE_CHECKING:
     from hotstart.config import EngineConfig
@@ -164,7 +164,9 @@ class ModelLauncher:
         pids = list(self.engine_pids.values())
         self.stop_engine()
         pids = wait_gone(pids, timeout)  # exited is enough: its forkserver (or zygote) reaps it
-        for p in pids:
+        # an engine killed here never closes its fast-path builder: its g++ (or compile worker) would
+        # outlive it, orphaned; they are found while it still is their parent
+        for p in [q for engine in pids for q in (engine, *descendants(engine))]:
             try:
                 os.kill(p, signal.SIGKILL)
             except ProcessLookupError:

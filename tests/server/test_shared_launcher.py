@@ -76,3 +76,31 @@ def test_a_forkserver_dead_while_nothing_was_loaded_is_restarted_by_the_next_loa
     assert a.poll_events() == []  # not reported as the new engine's death
     a.shutdown(0.1)
     assert a not in shared._all and real.sent[-1] == StopEngine(a.generation)
+
+
+def test_an_engine_killed_at_shutdown_takes_its_children_with_it():
+    # a real process standing in for an engine that does not stop in time, with a child of its own (as its
+    # fast-path builder's g++): SIGKILL would leave the child orphaned, running on after the server
+    import subprocess
+    import sys
+    import time
+
+    from hotstart.procs import alive, descendants
+
+    engine = subprocess.Popen([sys.executable, "-c", "import subprocess, time; "
+                               "subprocess.Popen(['sleep', '60']); time.sleep(60)"])
+    try:
+        deadline = time.monotonic() + 10
+        while not descendants(engine.pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        [child] = descendants(engine.pid)
+        view = SharedLauncher(FakeLauncher()).view()
+        view.engine_pids = {0: engine.pid}
+        view.shutdown(timeout=0.2)  # StopEngine goes to the fake launcher: nobody stops it
+        assert engine.wait(5) == -9
+        deadline = time.monotonic() + 5
+        while alive(child) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not alive(child)
+    finally:
+        engine.kill()
