@@ -65,8 +65,15 @@ inline bool nibble_order(int type) { return type == Q4_0 || type == Q4_1 || type
 // steps of 2+ tokens on AVX512-VNNI (quant_tiles.cpp): rows unpacked and transposed once each into u (K
 // bytes padded to whole chunks of 16 groups) and s, o (16 per chunk), then TILE_R rows x TILE_MM tokens
 // per dot_t call over activations laid out alike (lane L of a chunk's vector j: dword j of group
-// gamma(L)); sums[r * ldsum + t] += row r . token t
-constexpr int TILE_R = 4, TILE_MM = 2;
+// gamma(L)); sums[r * ldsum + t] += row r . token t. TILE_R x TILE_MM: 12 int32 sums + 12 float
+// accumulators + 3 activation vectors + 1 weight vector = 28 of the 32 registers.
+constexpr int TILE_R = 4, TILE_MM = 3;
+// the types whose offset is a constant multiple of the scale (o = -2^shift s): their offset term is
+// folded into the integer sums (each token's group sums of q, shifted, start them), saving a float fma
+// per row, token and chunk; -1 for the types with a min of their own (Q4_1, Q5_1, Q4_K, Q5_K)
+inline int offset_shift(int type) {
+    return type == Q8_0 ? 7 : type == Q6_K ? 5 : type == Q5_0 ? 4 : type == Q4_0 ? 3 : -1;
+}
 using UnpackT = void (*)(const uint8_t *row, int64_t K, uint8_t *u, float *s, float *o);
 struct Tile {
     const uint8_t *u;  // rows' transposed codes, rs bytes apart
@@ -75,14 +82,15 @@ struct Tile {
     int64_t ss, groups;  // groups per row
     const int8_t *qt[TILE_MM], *qn[TILE_MM];  // tokens' activations transposed, and in x's order (the tail)
     const float *dt[TILE_MM], *st[TILE_MM], *dn[TILE_MM], *sn[TILE_MM];  // d_a and d_a * sum(q), likewise
+    const int32_t *nt[TILE_MM];  // sum(q) per group, transposed (the folded offsets: offset_shift)
     float *sums;  // sums[r * ldsum + t] += row r . token t
     int64_t ldsum;
 };
 using DotT = void (*)(int rows, int mm, const Tile &a);
 UnpackT unpack_t_for(int type);  // null for an unknown type
-DotT dot_t_for(int gs);
-void transpose_acts(int gs, int64_t M, int64_t Kp, const int8_t *q, const float *d, const float *s, int8_t *qt,
-                    float *dt, float *st);
+DotT dot_t_for(int type);
+void transpose_acts(int gs, int64_t M, int64_t Kp, const int8_t *q, const float *d, const float *s,
+                    const int32_t *n, int8_t *qt, float *dt, float *st, int32_t *nt);
 inline int gamma_of(int gs, int lane) { return gs == 32 ? 2 * (lane & 7) + (lane >> 3) : 4 * (lane & 3) + (lane >> 2); }
 
 // x quantized (quant_acts.cpp); K padded with zeros to Kp (a multiple of 512)
@@ -95,6 +103,7 @@ struct Acts {
     std::vector<int8_t> qt16, qt32;
     std::vector<int8_t> qn;  // [M, Kp] in nibble order (above), for 1-token rows of the 4- and 5-bit types
     std::vector<float> dt16, st16, dt32, st32;
+    std::vector<int32_t> n16, n32, nt16, nt32;  // sum(q) per group of 16 / 32, and transposed likewise
     const float *d(int gs) const { return gs == 16 ? d16.data() : d32.data(); }
     const float *s(int gs) const { return gs == 16 ? s16.data() : s32.data(); }
 };

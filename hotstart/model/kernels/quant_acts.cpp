@@ -52,6 +52,11 @@ void quantize(const T *x, int64_t M, int64_t K, int isa, int tiles, Acts &a) {
     a.q.resize(M * a.Kp);
     for (auto *v : {&a.d16, &a.s16}) v->resize(M * a.Kp / 16);
     for (auto *v : {&a.d32, &a.s32}) v->resize(M * a.Kp / 32);
+    const bool sums = tiles & 3;  // the tiles' folded offsets read the integer sums
+    if (sums) {
+        a.n16.assign(M * a.Kp / 16, 0);
+        a.n32.assign(M * a.Kp / 32, 0);
+    }
     for (int64_t m = 0; m < M && K < a.Kp; m++) {  // the padding: zeros
         memset(a.q.data() + m * a.Kp + K, 0, a.Kp - K);
         for (int64_t g = K / 16; g < a.Kp / 16; g++) a.d16[m * a.Kp / 16 + g] = a.s16[m * a.Kp / 16 + g] = 0.0f;
@@ -72,6 +77,11 @@ void quantize(const T *x, int64_t M, int64_t K, int isa, int tiles, Acts &a) {
             a.s16[g16] = d * (float)s0;
             a.s16[g16 + 1] = d * (float)s1;
             a.s32[g32] = d * (float)(s0 + s1);
+            if (sums) {
+                a.n16[g16] = s0;
+                a.n16[g16 + 1] = s1;
+                a.n32[g32] = s0 + s1;
+            }
         }
     }
     if (tiles & 4) {
@@ -85,10 +95,13 @@ void quantize(const T *x, int64_t M, int64_t K, int isa, int tiles, Acts &a) {
         if (!(tiles & (gs == 16 ? 1 : 2))) continue;
         std::vector<int8_t> &qt = gs == 16 ? a.qt16 : a.qt32;
         std::vector<float> &dt = gs == 16 ? a.dt16 : a.dt32, &st = gs == 16 ? a.st16 : a.st32;
+        std::vector<int32_t> &nt = gs == 16 ? a.nt16 : a.nt32;
         qt.resize(M * a.Kp);
         dt.resize(M * a.Kp / gs);
         st.resize(M * a.Kp / gs);
-        transpose_acts(gs, M, a.Kp, a.q.data(), a.d(gs), a.s(gs), qt.data(), dt.data(), st.data());
+        nt.resize(M * a.Kp / gs);
+        transpose_acts(gs, M, a.Kp, a.q.data(), a.d(gs), a.s(gs), (gs == 16 ? a.n16 : a.n32).data(), qt.data(),
+                       dt.data(), st.data(), nt.data());
     }
 }
 

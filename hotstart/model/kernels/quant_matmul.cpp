@@ -3,7 +3,7 @@
 // x is quantized once per call (quant_acts.cpp). Each thread then takes chunks of rows, one sequential
 // stream of blocks per thread, and per block of TOKEN_BLOCK tokens:
 //   AVX512-VNNI: one token, a row at a time in registers (quant_vnni.cpp); 2+ tokens, rows transposed
-//     once, 4 rows x 2 tokens per register tile (quant_tiles.cpp);
+//     once, 4 rows x 3 tokens per register tile (quant_tiles.cpp);
 //   AVX2 and portable: a segment of a row unpacked into quant.h's one form (in L1), then multiplied with
 //     up to 4 tokens per pass (their accumulators in registers). AVX2: vpmaddubsw + vpmaddwd, 32
 //     elements per vector (Q8_0's u up to 255 would saturate vpmaddubsw's int16 pairs: widened to int16
@@ -142,6 +142,7 @@ void rows(const Weight &W, int64_t n0, int64_t n1, const Acts &a, int64_t m0, in
         tile.rs = a.Kp, tile.ss = a.Kp / 16, tile.groups = K / gs, tile.ldsum = TOKEN_BLOCK;
         const int8_t *qt = (gs == 16 ? a.qt16 : a.qt32).data();
         const float *dt = (gs == 16 ? a.dt16 : a.dt32).data(), *st = (gs == 16 ? a.st16 : a.st32).data();
+        const int32_t *nt = (gs == 16 ? a.nt16 : a.nt32).data();
         for (int64_t r0 = n0; r0 < n1; r0 += TILE_R) {
             const int nr = n1 - r0 < TILE_R ? (int)(n1 - r0) : TILE_R;
             for (int r = 0; r < nr; r++) {
@@ -156,6 +157,7 @@ void rows(const Weight &W, int64_t n0, int64_t n1, const Acts &a, int64_t m0, in
                     tile.qn[t] = a.q.data() + (m + t) * a.Kp;
                     tile.dt[t] = dt + (m + t) * G;
                     tile.st[t] = st + (m + t) * G;
+                    tile.nt[t] = nt + (m + t) * G;
                     tile.dn[t] = a.d(gs) + (m + t) * G;
                     tile.sn[t] = a.s(gs) + (m + t) * G;
                 }
@@ -221,7 +223,7 @@ int hs_quant_matmul(int isa, int xdtype, const void *x, int64_t M, int64_t K, in
         W[i].nibbles = nibble_order(types[i]);
         if (W[i].vnni && W[i].nibbles && M % TOKEN_BLOCK == 1) tiles |= 4;  // a 1-token pass needs x so
         W[i].unpack_t = isa == AVX512_VNNI ? unpack_t_for(types[i]) : nullptr;
-        W[i].dot_t = dot_t_for(W[i].in.group);
+        W[i].dot_t = dot_t_for(types[i]);
         if (W[i].in.group == 16)
             dots<16, false>(isa, W[i].dot);
         else if (W[i].in.wide)
