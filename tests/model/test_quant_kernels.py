@@ -1,6 +1,6 @@
 """The quantized matmul kernels (hotstart/model/quant_kernels.py) against dequantize-then-matmul: every ggml
 type they take, weights from the gguf package's quantizer (or crafted random K-quant blocks), dequantized by
-the gguf package (its numpy reference); odd N and M, K across a segment boundary, steps of 1 - 4 and 5 - 48
+the gguf package (its numpy reference); odd N and M, K across a segment boundary, steps of 1 - 4 and 5 - 65
 tokens, 1 and 2 threads, float32 and bf16 activations, each instruction set this host runs (AVX512-VNNI,
 AVX2, the portable C++) forced in turn.
 
@@ -69,8 +69,11 @@ def test_kernels_equal_dequantize_then_matmul(name):
     try:
         for m, dtype, isa, t in [(1, torch.float32, ISAS[0], 1), (3, torch.bfloat16, ISAS[0], 2),
                                  (4, torch.float32, ISAS[-1], 1), (5, torch.bfloat16, ISAS[-1], 2),
-                                 *[(m, dt, isa, 2) for isa in ISAS for m, dt in ((2, torch.float32),
+                                 *[(m, dt, isa, 2) for isa in ISAS for m, dt in ((1, torch.bfloat16),
+                                                                               (2, torch.float32),
                                                                                (17, torch.bfloat16))],
+                                 # a last pass of one token after 64 (AVX2: the one-token rows)
+                                 *[(65, torch.float32, isa, 2) for isa in ISAS if isa == qk.AVX2],
                                  (48, torch.float32, ISAS[0], 2), (48, torch.bfloat16, ISAS[-1], 1)]:
             torch.set_num_threads(t)
             x = (torch.randn(m, k, dtype=torch.float32) * torch.rand(1, k) * 4).to(dtype)  # uneven channels

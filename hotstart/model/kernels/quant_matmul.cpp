@@ -4,7 +4,8 @@
 // stream of blocks per thread, and per block of TOKEN_BLOCK tokens:
 //   AVX512-VNNI: one token, a row at a time in registers (quant_vnni.cpp); 2+ tokens, rows transposed
 //     once, 4 rows x 3 tokens per register tile (quant_tiles.cpp);
-//   AVX2 and portable: a segment of a row unpacked into quant.h's one form (in L1), then multiplied with
+//   AVX2, one token: a row at a time in registers (quant_avx2.cpp);
+//   AVX2 (2+ tokens) and portable: a segment of a row unpacked into quant.h's one form (in L1), then multiplied with
 //     up to 4 tokens per pass (their accumulators in registers). AVX2: vpmaddubsw + vpmaddwd, 32
 //     elements per vector (Q8_0's u up to 255 would saturate vpmaddubsw's int16 pairs: widened to int16
 //     and vpmaddwd instead); portable: the same integer sums in scalar code (the reference the SIMD
@@ -118,6 +119,7 @@ struct Weight {
     Unpack unpack;
     Dot dot[MAX_MM];
     RowVnni vnni;  // AVX512-VNNI: the row in registers instead of unpack + dot (1 token)
+    RowVnni avx2;  // AVX2: likewise for a pass of 1 token (quant_avx2.cpp)
     bool nibbles;  // vnni takes x in nibble order (quant.h)
     UnpackT unpack_t;  // and for 2+ tokens, transposed once (quant_tiles.cpp)
     DotT dot_t;
@@ -172,10 +174,13 @@ void rows(const Weight &W, int64_t n0, int64_t n1, const Acts &a, int64_t m0, in
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = W.w + n * W.ldw;
         for (int64_t m = m0; m < m1; m++) sums[0][m - m0] = 0.0f;
+        const bool one = W.avx2 && m1 - m0 == 1;  // AVX2, one token: the row in registers
         if (W.vnni)  // one token (steps of 2+ took the tiles above)
             sums[0][0] = W.vnni(row, K, (W.nibbles ? a.qn : a.q).data() + m0 * a.Kp, a.d(gs) + m0 * G,
                                 a.s(gs) + m0 * G);
-        for (int64_t e0 = 0; !W.vnni && e0 < K; e0 += SEG) {
+        else if (one)
+            sums[0][0] = W.avx2(row, K, a.q.data() + m0 * a.Kp, a.d(gs) + m0 * G, a.s(gs) + m0 * G);
+        for (int64_t e0 = 0; !W.vnni && !one && e0 < K; e0 += SEG) {
             // past len: u to a multiple of 64, s and o to one of 16 groups, zeros
             const int64_t len = K - e0 < SEG ? K - e0 : SEG, padded = (len + 63) / 64 * 64;
             W.unpack(row + e0 / W.in.block * W.in.bytes, len / W.in.block, seg);
@@ -220,6 +225,7 @@ int hs_quant_matmul(int isa, int xdtype, const void *x, int64_t M, int64_t K, in
         if (!info(types[i], W[i].in) || K % W[i].in.block != 0 || ns[i] < 0) return -1;
         W[i].unpack = unpack_for(types[i], isa);
         W[i].vnni = isa == AVX512_VNNI ? row_vnni_for(types[i]) : nullptr;
+        W[i].avx2 = isa == AVX2 ? row_avx2_for(types[i]) : nullptr;
         W[i].nibbles = nibble_order(types[i]);
         if (W[i].vnni && W[i].nibbles && M % TOKEN_BLOCK == 1) tiles |= 4;  // a 1-token pass needs x so
         W[i].unpack_t = isa == AVX512_VNNI ? unpack_t_for(types[i]) : nullptr;
