@@ -84,6 +84,7 @@ class _Read:
     def __init__(self, seq: Sequence, then: Callable[[Sequence], None], chain: list[bytes],
                  wanted: list[bytes]) -> None:
         self.seq, self.then, self.chain, self.wanted = seq, then, chain, wanted
+        self.buffer: bytearray | None = None  # wanted's payloads side by side (one buffer, no stacking)
         self.payloads: list[memoryview] = []  # of wanted's first blocks, as far as they read back
         self.done, self.cancelled = False, False
 
@@ -106,8 +107,12 @@ class PrefixStore:
         self._lock = threading.Lock()
         self._last_flush = self._last_step = time.monotonic()
         self._seen = -1  # blocks.registered at the last flush: nothing new, no scan
-        self.reader, self.writer = _Thread("kv-read"), _Thread("kv-write")
+        # a request's reads never queue behind a preload batch: each has a thread (the step thread waits
+        # for the first, while the second uses what the cores have left)
+        self.reader, self.preloader = _Thread("kv-read"), _Thread("kv-preload")
+        self.writer = _Thread("kv-write")
         self.reader.start()
+        self.preloader.start()
         self.writer.start()
         limit = min(int(blocks.num_blocks * PRELOAD_FRACTION), PRELOAD_BYTES // max(1, self.block_bytes))
         self._recent = kv_files.recent_blocks(folder)[:limit] if blocks.enable_prefix_caching else []
@@ -168,14 +173,16 @@ class PrefixStore:
 
     def _read(self, job: _Read) -> None:
         try:
-            for h in job.wanted:
+            n = self.block_bytes
+            job.buffer = bytearray(len(job.wanted) * n)
+            whole = memoryview(job.buffer)
+            for i, h in enumerate(job.wanted):
                 if job.cancelled:
                     break
-                payload = kv_files.read_block(self.folder, self.layout, h, self.block_bytes)
-                if payload is None:
+                if not kv_files.read_block_into(self.folder, self.layout, h, whole[i * n:(i + 1) * n]):
                     self.on_disk.discard(h)
                     break
-                job.payloads.append(payload)
+                job.payloads.append(whole[i * n:(i + 1) * n])
         finally:
             job.done = True
             self._ready.set()
@@ -183,16 +190,20 @@ class PrefixStore:
     def _read_loose(self, hashes: list[bytes]) -> None:
         got: list[tuple[bytes, memoryview]] = []
         try:
+            n = self.block_bytes
+            whole = memoryview(bytearray(len(hashes) * n))  # read side by side: copied in without a stack
             for h in hashes:
+                if self._held:  # a request waits for reads of its own: the cores are its (a hint: no lock)
+                    break
                 if h in self.blocks._cached:  # noqa: SLF001 - a request brought it back first (a hint: no lock)
                     continue
-                payload = kv_files.read_block(self.folder, self.layout, h, self.block_bytes)
-                if payload is None:
-                    self.on_disk.discard(h)
+                at = len(got) * n
+                if kv_files.read_block_into(self.folder, self.layout, h, whole[at:at + n]):
+                    got.append((h, whole[at:at + n]))
                 else:
-                    got.append((h, payload))
+                    self.on_disk.discard(h)
         finally:
-            self._preload.put(got)
+            self._preload.put((got, whole if got else None))
 
     @property
     def preloading(self) -> bool:
@@ -211,14 +222,15 @@ class PrefixStore:
         if idle and self._recent:
             batch, self._recent = self._recent[:self._batch], self._recent[self._batch:]
             self._preload_reading = True
-            self.reader.jobs.put(lambda: self._read_loose(batch))
+            self.preloader.jobs.put(lambda: self._read_loose(batch))
 
-    def _copy_preloaded(self, got: list[tuple[bytes, memoryview]]) -> None:
+    def _copy_preloaded(self, batch: tuple[list[tuple[bytes, memoryview]], memoryview | None]) -> None:
         """Copy a batch read into free KV blocks (never in use, never evicting a cached block: only while
         blocks that were never used are left; else the rest of the preload is dropped)."""
         blocks = self.blocks
-        ids, data = [], []
-        for h, payload in got:
+        got, whole = batch
+        ids, data, where = [], [], []
+        for i, (h, payload) in enumerate(got):
             if h in blocks._cached:  # noqa: SLF001
                 continue
             if blocks._fresh > blocks.num_blocks:  # noqa: SLF001 - no never-used block left: evict none
@@ -229,9 +241,9 @@ class PrefixStore:
                 break
             ids.append(block)
             data.append(payload)
+            where.append(i)
         if ids:
-            host = torch.stack([torch.frombuffer(p, dtype=self.runner.kv_cache.dtype) for p in data])
-            self.runner.write_blocks(ids, host.view(len(ids), *self.block_shape))
+            self.runner.write_blocks(ids, self._host(data, where, whole))
             self.preloaded += len(ids)
 
     def cancel(self, seq: Sequence) -> None:
@@ -255,22 +267,32 @@ class PrefixStore:
                 job.then(job.seq)
 
     def _restore(self, job: _Read) -> None:
-        blocks, got = self.blocks, dict(zip(job.wanted, job.payloads))
-        ids, data = [], []
+        blocks = self.blocks
+        got = {h: (i, p) for i, (h, p) in enumerate(zip(job.wanted, job.payloads))}
+        ids, data, where = [], [], []
         for h in job.chain:  # in chain order, each most recently freed: restoring the rest evicts none
             if h in blocks._cached:  # noqa: SLF001
                 blocks.touch(h)
                 continue
-            payload = got.get(h)
+            i, payload = got.get(h, (-1, None))
             block = blocks.restore(h) if payload is not None else None
             if block is None:
                 break
             ids.append(block)
             data.append(payload)
+            where.append(i)
         if ids:
-            host = torch.stack([torch.frombuffer(p, dtype=self.runner.kv_cache.dtype) for p in data])
-            self.runner.write_blocks(ids, host.view(len(ids), *self.block_shape))
+            self.runner.write_blocks(ids, self._host(data, where, memoryview(job.buffer)))
             self.restored += len(ids)
+
+    def _host(self, data: list[memoryview], where: list[int], whole: memoryview | None) -> torch.Tensor:
+        """DATA's payloads as one tensor [n, layers, 2, KVH, block size, D]: a view of WHOLE, the buffer
+        they were read into side by side, where they are its first n (WHERE: their places in it), else a
+        stacked copy."""
+        dtype, n = self.runner.kv_cache.dtype, len(data)
+        if whole is not None and where == list(range(n)):
+            return torch.frombuffer(whole[:n * self.block_bytes], dtype=dtype).view(n, *self.block_shape)
+        return torch.stack([torch.frombuffer(p, dtype=dtype) for p in data]).view(n, *self.block_shape)
 
     # ---- writing -------------------------------------------------------------------------------
     def tick(self, idle: bool) -> None:
@@ -331,9 +353,9 @@ class PrefixStore:
         written.wait(max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
-        """sync(), then stop both threads."""
+        """sync(), then stop its threads."""
         self.sync()
-        for t in (self.reader, self.writer):
+        for t in (self.reader, self.preloader, self.writer):
             t.jobs.put(None)
 
     def stats(self) -> dict[str, int]:

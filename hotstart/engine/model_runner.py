@@ -188,6 +188,10 @@ class ModelRunner:
         """Write DATA [n, layers, 2, KVH, block size, D] (read_blocks' layout) into BLOCKS."""
         self._zero_up_to(max(blocks))
         bs = self.block_size
+        if torch.device(self.device).type == "cpu":  # each block's slots straight from DATA: no permuted copy
+            for i, b in enumerate(blocks):
+                self.kv_cache[:, :, :, b * bs:(b + 1) * bs].copy_(data[i])
+            return
         slots = (torch.tensor(blocks)[:, None] * bs + torch.arange(bs)).flatten().to(self.device)
         kv = data.to(self.device, self.kv_cache.dtype).permute(1, 2, 3, 0, 4, 5)
         self.kv_cache.index_copy_(3, slots, kv.reshape(*kv.shape[:3], -1, kv.shape[-1]))

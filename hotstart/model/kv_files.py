@@ -133,40 +133,49 @@ def write_block(folder: Path, layout: bytes, block: bytes, payload) -> int:
 def read_block(folder: Path, layout: bytes, block: bytes, nbytes: int) -> memoryview | None:
     """The payload of BLOCK's file, verified (owner, mode, header, size, checksum); None where it is
     missing. A file that fails a check is deleted. A read touches the file (LRU)."""
+    buf = bytearray(nbytes)
+    return memoryview(buf) if read_block_into(folder, layout, block, memoryview(buf)) else None
+
+
+def read_block_into(folder: Path, layout: bytes, block: bytes, out: memoryview) -> bool:
+    """read_block's checks, the payload read straight into OUT (a writable buffer of the payload's size:
+    a slice of one buffer for a whole prefix, so that nothing is copied again to put the blocks side by
+    side); False where the file is missing or fails a check (then deleted, OUT's bytes undefined)."""
     path = block_path(folder, block)
+    out = out.cast("B")
+    nbytes = out.nbytes
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
-        return None
+        return False
     try:
         st = os.fstat(fd)
         ok = (stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
               and st.st_size == HEADER.size + nbytes)
-        buf = bytearray(st.st_size) if ok else bytearray()
         if ok:
-            view, got = memoryview(buf), 0
-            while got < len(buf):
-                n = os.readv(fd, [view[got:]])
+            head = os.pread(fd, HEADER.size, 0)
+            got = 0
+            while len(head) == HEADER.size and got < nbytes:
+                n = os.preadv(fd, [out[got:]], HEADER.size + got)
                 if n <= 0:
                     break
                 got += n
-            ok = got == len(buf)
+            ok = len(head) == HEADER.size and got == nbytes
         if ok:
-            magic, lay, blk, size, crc = HEADER.unpack_from(buf)
-            ok = (magic, lay, blk, size) == (MAGIC, layout, block, nbytes) and zlib.crc32(
-                memoryview(buf)[HEADER.size:]) == crc
+            magic, lay, blk, size, crc = HEADER.unpack(head)
+            ok = (magic, lay, blk, size) == (MAGIC, layout, block, nbytes) and zlib.crc32(out) == crc
     except OSError:
         ok = False
     finally:
         os.close(fd)
     if not ok:
         path.unlink(missing_ok=True)
-        return None
+        return False
     try:
         os.utime(path)
     except OSError:
         pass
-    return memoryview(buf)[HEADER.size:]
+    return True
 
 
 def list_blocks(folder: Path) -> set[bytes]:

@@ -174,3 +174,23 @@ def test_a_new_engine_preloads_the_most_recent_prefixes_while_idle(tiny_checkpoi
     assert again.store.restored == 0 and s.prefix_cache_hits == 80  # found in memory, nothing held
     assert s.prompt_tokens_computed == len(PROMPT) - 80
     again.store.close()
+
+
+def test_blocks_read_side_by_side_are_copied_in_from_their_buffer(tiny_checkpoint, kv_dir):
+    """A prefix's blocks are read into one buffer: the cache is written from a view of it (no stacked
+    copy) when they are its first ones in order, and from a copy in the order asked for otherwise."""
+    import torch  # noqa: PLC0415
+
+    store = engine(tiny_checkpoint("qwen2")).store
+    n = store.block_bytes
+    whole = memoryview(bytearray(os.urandom(2 * n)))
+    first, second = whole[:n], whole[n:]
+    view = store._host([first, second], [0, 1], whole)
+    swapped = store._host([second, first], [1, 0], whole)
+    assert view.shape == (2, *store.block_shape) and swapped.shape == view.shape
+    as_bytes = lambda t: t.reshape(t.shape[0], -1).view(torch.uint8)  # noqa: E731 - random bits: NaNs
+    assert torch.equal(as_bytes(view)[0], as_bytes(swapped)[1])
+    assert torch.equal(as_bytes(view)[1], as_bytes(swapped)[0])
+    whole[0] ^= 0xFF  # the view shares the buffer; the copy does not
+    assert as_bytes(view)[0, 0].item() == whole[0] and as_bytes(swapped)[1, 0].item() != whole[0]
+    store.close()
