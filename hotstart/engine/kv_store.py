@@ -11,12 +11,13 @@ Reading: a new sequence whose hash chain goes on, past the blocks in memory, int
 thread before scheduling, copies them into free KV blocks, registers those as cached free blocks
 (BlockManager.restore) and lets the sequence in, whose lookup then finds the whole chain. A block that
 fails its checks ends the chain there: the rest is computed, as it would be without the store.
-Preload: while the engine idles, tick() asks the reader thread for the next PRELOAD_BATCH of the most
-recently used files (up to PRELOAD_FRACTION of the KV blocks and PRELOAD_BYTES in all) and, at a later
-tick, copies the batch read into never-used KV blocks as cached free blocks (the chains were written
-together, so whole prefixes come back): the first request after a swap or a restart finds its prefix in
-memory instead of waiting for its reads. Never while requests run: a busy engine's steps are not delayed by
-more than one batch's copy, and its cores are not shared with the reads.
+Preload: from the store's opening (the engine's last steps before READY) a thread of its own reads the most
+recently used files (up to PRELOAD_FRACTION of the KV blocks and PRELOAD_BYTES in all) in batches of
+PRELOAD_BATCH_BYTES, each into one buffer, and tick() copies a finished batch into never-used KV blocks as
+cached free blocks (the chains were written together, so whole prefixes come back): the first request after
+a swap or a restart finds its prefix in memory instead of waiting for its reads. The reads pause while
+requests run or wait for reads of their own (the cores are theirs); a busy engine's steps are not delayed by
+more than one batch's copy.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ CLOSE_S = 1.5  # at close: copying and writing what is left stops after this lon
 # preloaded at most: this share of the KV blocks, these bytes
 PRELOAD_FRACTION, PRELOAD_BYTES = 0.25, 256 << 20
 PRELOAD_BATCH_BYTES = 16 << 20  # read per job, copied per tick
+PRELOAD_PAUSE_S = 0.05  # the preload's reads wait while requests run: checked this often
+PRELOAD_THREADS = 2  # batches read side by side (the copies and checksums of page-cached files: CPU)
 
 
 def budget_bytes(text: str | int | None) -> int:
@@ -109,17 +112,25 @@ class PrefixStore:
         self._seen = -1  # blocks.registered at the last flush: nothing new, no scan
         # a request's reads never queue behind a preload batch: each has a thread (the step thread waits
         # for the first, while the second uses what the cores have left)
-        self.reader, self.preloader = _Thread("kv-read"), _Thread("kv-preload")
-        self.writer = _Thread("kv-write")
-        self.reader.start()
-        self.preloader.start()
+        self.reader, self.writer = _Thread("kv-read"), _Thread("kv-write")
+        self.preloaders = [_Thread(f"kv-preload-{i}") for i in range(PRELOAD_THREADS)]
+        for t in (self.reader, *self.preloaders):
+            t.start()
         self.writer.start()
         limit = min(int(blocks.num_blocks * PRELOAD_FRACTION), PRELOAD_BYTES // max(1, self.block_bytes))
-        self._recent = kv_files.recent_blocks(folder)[:limit] if blocks.enable_prefix_caching else []
-        self._batch = max(1, PRELOAD_BATCH_BYTES // max(1, self.block_bytes))
+        recent = kv_files.recent_blocks(folder)[:limit] if blocks.enable_prefix_caching else []
+        batch = max(1, PRELOAD_BATCH_BYTES // max(1, self.block_bytes))
         self.preloaded = 0
         self._preload: queue.SimpleQueue = queue.SimpleQueue()  # a batch read: [(hash, payload)], to copy in
-        self._preload_reading = False  # a batch is with the reader
+        # every batch queued now, read back to back from the engine's start on (a swap's first request comes
+        # right after READY, often for these very blocks); the reads pause while requests run or wait for
+        # reads of their own, and stop when the never-used blocks run out or the store closes
+        self._preload_left = 0  # batches not copied in yet
+        self._preload_stop = False
+        self._busy = False
+        for j, i in enumerate(range(0, len(recent), batch)):
+            self._preload_left += 1
+            self.preloaders[j % PRELOAD_THREADS].jobs.put(lambda b=recent[i:i + batch]: self._read_loose(b))
 
     @classmethod
     def open(cls, core) -> PrefixStore | None:
@@ -157,6 +168,8 @@ class PrefixStore:
         blocks = self.blocks
         if not self.on_disk or not blocks.enable_prefix_caching or seq.skip_prefix_cache or seq.block_table:
             return False
+        while self._preload_left and self._preload_tick():  # batches read already: copying beats reading
+            pass
         chain, wanted = [], []
         for h in blocks._hashes(seq, (seq.num_tokens - 1) // blocks.block_size):  # noqa: SLF001
             if h not in blocks._cached:  # noqa: SLF001
@@ -193,7 +206,9 @@ class PrefixStore:
             n = self.block_bytes
             whole = memoryview(bytearray(len(hashes) * n))  # read side by side: copied in without a stack
             for h in hashes:
-                if self._held:  # a request waits for reads of its own: the cores are its (a hint: no lock)
+                while (self._held or self._busy) and not self._preload_stop:  # requests have the cores
+                    time.sleep(PRELOAD_PAUSE_S)  # (hints: no lock)
+                if self._preload_stop:
                     break
                 if h in self.blocks._cached:  # noqa: SLF001 - a request brought it back first (a hint: no lock)
                     continue
@@ -208,21 +223,17 @@ class PrefixStore:
     @property
     def preloading(self) -> bool:
         """Blocks are left to preload (the engine's idle wait should stay short)."""
-        return bool(self._recent) or self._preload_reading
+        return self._preload_left > 0
 
-    def _preload_tick(self, idle: bool) -> None:
-        """Copy in the batch the reader finished; while IDLE, hand it the next one."""
-        if self._preload_reading:
-            try:
-                got = self._preload.get_nowait()
-            except queue.Empty:
-                return
-            self._preload_reading = False
-            self._copy_preloaded(got)
-        if idle and self._recent:
-            batch, self._recent = self._recent[:self._batch], self._recent[self._batch:]
-            self._preload_reading = True
-            self.preloader.jobs.put(lambda: self._read_loose(batch))
+    def _preload_tick(self) -> bool:
+        """Copy in one batch the reader finished (a step waits for one batch's copy at most); False: none."""
+        try:
+            got = self._preload.get_nowait()
+        except queue.Empty:
+            return False
+        self._preload_left -= 1
+        self._copy_preloaded(got)
+        return True
 
     def _copy_preloaded(self, batch: tuple[list[tuple[bytes, memoryview]], memoryview | None]) -> None:
         """Copy a batch read into free KV blocks (never in use, never evicting a cached block: only while
@@ -234,7 +245,7 @@ class PrefixStore:
             if h in blocks._cached:  # noqa: SLF001
                 continue
             if blocks._fresh > blocks.num_blocks:  # noqa: SLF001 - no never-used block left: evict none
-                self._recent = []
+                self._preload_stop = True
                 break
             block = blocks.restore(h)
             if block is None:
@@ -298,8 +309,9 @@ class PrefixStore:
     def tick(self, idle: bool) -> None:
         """Between steps: write what is new once idle for FLUSH_IDLE_S, else every FLUSH_BUSY_S."""
         now = time.monotonic()
-        if self._recent or self._preload_reading:
-            self._preload_tick(idle)
+        self._busy = not idle
+        if self._preload_left:
+            self._preload_tick()
         if not idle:
             self._last_step = now
         if idle and now - self._last_step >= FLUSH_IDLE_S and now - self._last_flush >= FLUSH_IDLE_S:
@@ -354,8 +366,9 @@ class PrefixStore:
 
     def close(self) -> None:
         """sync(), then stop its threads."""
+        self._preload_stop = True
         self.sync()
-        for t in (self.reader, self.preloader, self.writer):
+        for t in (self.reader, *self.preloaders, self.writer):
             t.jobs.put(None)
 
     def stats(self) -> dict[str, int]:

@@ -150,21 +150,21 @@ def test_a_gguf_models_prefixes_survive_a_restart_and_not_a_rewrite(tmp_path, kv
     assert kv_files.snapshot_key(path, [path]) != key
 
 
-def test_a_new_engine_preloads_the_most_recent_prefixes_while_idle(tiny_checkpoint, kv_dir):
-    """A restarted engine reads the most recently used block files while it idles (never while busy), and
-    tick() copies them in between steps: the first request finds its whole prefix in memory (no hold, no
-    read of its own), and its output is the one computed without the store."""
+def test_a_new_engine_preloads_the_most_recent_prefixes_from_its_start(tiny_checkpoint, kv_dir):
+    """A restarted engine reads the most recently used block files from the store's opening on, and tick()
+    copies them in between steps: the first request finds its whole prefix in memory (no hold, no read of
+    its own), and its output is the one computed without the store. The reads pause while requests run."""
+    import threading  # noqa: PLC0415
+
     path = tiny_checkpoint("qwen2")
     cold = run(engine(path, disk="0"))
     first = engine(path)
     run(first)
     files = written(first)
     again = engine(path)
-    for _ in range(20):  # busy: nothing is read
-        again.store.tick(False)
-    assert again.store.preloading and again.store.preloaded == 0 and not again.store._preload_reading
+    assert again.store.preloading and again.store.preloaded == 0  # read, not copied in before a tick
     deadline = time.monotonic() + 30
-    while again.store.preloaded < len(files) and time.monotonic() < deadline:
+    while again.store.preloading and time.monotonic() < deadline:
         again.store.tick(True)
         time.sleep(0.01)
     assert again.store.preloaded == len(files) and again.store.restored == 0 and not again.store.preloading
@@ -173,7 +173,22 @@ def test_a_new_engine_preloads_the_most_recent_prefixes_while_idle(tiny_checkpoi
     s = again.stats()
     assert again.store.restored == 0 and s.prefix_cache_hits == 80  # found in memory, nothing held
     assert s.prompt_tokens_computed == len(PROMPT) - 80
+    # busy (a tick after a step): a preload batch waits before its next read, and reads once idle again
+    store = engine(path).store
+    while store.preloading and time.monotonic() < deadline:  # what the opening queued, copied at ticks
+        store.tick(True)
+        time.sleep(0.01)
+    store.tick(False)
+    reader = threading.Thread(target=store._read_loose, args=(sorted(store.on_disk),))
+    store._preload_left += 1
+    reader.start()
+    time.sleep(0.3)
+    assert reader.is_alive() and store._preload.empty()  # paused
+    store.tick(True)
+    reader.join(10)
+    assert not reader.is_alive() and not store._preload.empty()
     again.store.close()
+    store.close()
 
 
 def test_blocks_read_side_by_side_are_copied_in_from_their_buffer(tiny_checkpoint, kv_dir):
