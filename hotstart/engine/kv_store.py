@@ -166,6 +166,7 @@ class PrefixStore:
         """Hold SEQ (True) while the blocks of its prefix that are on disk and not in memory are read;
         THEN(seq) lets it in once they are in the cache."""
         blocks = self.blocks
+        self._busy = True  # a request: the preload's reads pause before its first step (tick() resumes them)
         if not self.on_disk or not blocks.enable_prefix_caching or seq.skip_prefix_cache or seq.block_table:
             return False
         while self._preload_left and self._preload_tick():  # batches read already: copying beats reading
