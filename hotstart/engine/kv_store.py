@@ -110,8 +110,8 @@ class PrefixStore:
         self._lock = threading.Lock()
         self._last_flush = self._last_step = time.monotonic()
         self._seen = -1  # blocks.registered at the last flush: nothing new, no scan
-        # a request's reads never queue behind a preload batch: each has a thread (the step thread waits
-        # for the first, while the second uses what the cores have left)
+        # a request's reads never queue behind a preload batch: the reader is theirs alone, the preloaders
+        # read the most recent blocks (below) and pause while requests run
         self.reader, self.writer = _Thread("kv-read"), _Thread("kv-write")
         self.preloaders = [_Thread(f"kv-preload-{i}") for i in range(PRELOAD_THREADS)]
         for t in (self.reader, *self.preloaders):
@@ -193,10 +193,11 @@ class PrefixStore:
             for i, h in enumerate(job.wanted):
                 if job.cancelled:
                     break
-                if not kv_files.read_block_into(self.folder, self.layout, h, whole[i * n:(i + 1) * n]):
+                payload = whole[i * n:(i + 1) * n]
+                if not kv_files.read_block_into(self.folder, self.layout, h, payload):
                     self.on_disk.discard(h)
                     break
-                job.payloads.append(whole[i * n:(i + 1) * n])
+                job.payloads.append(payload)
         finally:
             job.done = True
             self._ready.set()

@@ -188,7 +188,7 @@ class ModelRunner:
         """Write DATA [n, layers, 2, KVH, block size, D] (read_blocks' layout) into BLOCKS."""
         self._zero_up_to(max(blocks))
         bs = self.block_size
-        if torch.device(self.device).type == "cpu":  # each block's slots straight from DATA: no permuted copy
+        if self.device.type == "cpu":  # each block's slots straight from DATA: no permuted copy
             for i, b in enumerate(blocks):
                 self.kv_cache[:, :, :, b * bs:(b + 1) * bs].copy_(data[i])
             return

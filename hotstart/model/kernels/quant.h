@@ -72,7 +72,7 @@ constexpr int TILE_R = 4, TILE_MM = 3;
 // the types whose offset is a constant multiple of the scale (o = -2^shift s): their offset term is
 // folded into the integer sums (each token's group sums of q, shifted, start them), saving a float fma
 // per row, token and chunk; -1 for the types with a min of their own (Q4_1, Q5_1, Q4_K, Q5_K)
-inline int offset_shift(int type) {
+constexpr int offset_shift(int type) {
     return type == Q8_0 ? 7 : type == Q6_K ? 5 : type == Q5_0 ? 4 : type == Q4_0 ? 3 : -1;
 }
 using UnpackT = void (*)(const uint8_t *row, int64_t K, uint8_t *u, float *s, float *o);

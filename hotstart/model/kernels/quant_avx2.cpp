@@ -66,7 +66,7 @@ AVX2_ROW float row32(const uint8_t *r, int64_t K, const int8_t *q, const float *
     info(T, in);
     const bool five = T == Q5_0 || T == Q5_1, minned = T == Q4_1 || T == Q5_1;
     const int qs = 2 + (minned ? 2 : 0) + (five ? 4 : 0);
-    const float shift = T == Q4_0 ? -8.0f : T == Q5_0 ? -16.0f : 0.0f;  // o = shift * d (no min)
+    const float shift = minned || T == Q8_0 ? 0.0f : -(float)(1 << offset_shift(T));  // Q4_0, Q5_0: o = shift d
     __m256 acc = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();  // two chains: the fma's latency
     float off = 0.0f;
     const int64_t blocks = K / 32;
@@ -179,7 +179,7 @@ AVX2_ROW float row_q6k(const uint8_t *r, int64_t K, const int8_t *q, const float
                     acc2 = _mm256_fmadd_ps(y, s, acc2);
                 else
                     acc = _mm256_fmadd_ps(y, s, acc);
-                off -= 32.0f * (s0 * sa[g] + s1 * sa[g + 1]);
+                off -= (float)(1 << offset_shift(Q6_K)) * (s0 * sa[g] + s1 * sa[g + 1]);
             }
         }
     }

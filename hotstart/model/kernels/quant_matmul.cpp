@@ -5,8 +5,8 @@
 //   AVX512-VNNI: one token, a row at a time in registers (quant_vnni.cpp); 2+ tokens, rows transposed
 //     once, 4 rows x 3 tokens per register tile (quant_tiles.cpp);
 //   AVX2, one token: a row at a time in registers (quant_avx2.cpp);
-//   AVX2 (2+ tokens) and portable: a segment of a row unpacked into quant.h's one form (in L1), then multiplied with
-//     up to 4 tokens per pass (their accumulators in registers). AVX2: vpmaddubsw + vpmaddwd, 32
+//   AVX2 (2+ tokens) and portable: a segment of a row unpacked into quant.h's one form (in L1), then
+//     multiplied with up to 4 tokens per pass (their accumulators in registers). AVX2: vpmaddubsw + vpmaddwd, 32
 //     elements per vector (Q8_0's u up to 255 would saturate vpmaddubsw's int16 pairs: widened to int16
 //     and vpmaddwd instead); portable: the same integer sums in scalar code (the reference the SIMD
 //     paths are tested against). Lanes 4l .. 4l + 3 of a vector sum to lane l: each lane is scaled by

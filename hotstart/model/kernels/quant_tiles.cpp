@@ -204,10 +204,10 @@ UnpackT unpack_t_for(int type) {
 
 DotT dot_t_for(int type) {
     switch (type) {
-        case Q8_0: return dots_t<32, 7>;
-        case Q5_0: return dots_t<32, 4>;
-        case Q4_0: return dots_t<32, 3>;
-        case Q6_K: return dots_t<16, 5>;
+        case Q8_0: return dots_t<32, offset_shift(Q8_0)>;
+        case Q5_0: return dots_t<32, offset_shift(Q5_0)>;
+        case Q4_0: return dots_t<32, offset_shift(Q4_0)>;
+        case Q6_K: return dots_t<16, offset_shift(Q6_K)>;
         default: {
             Info in;
             return info(type, in) && in.group == 16 ? dots_t<16, -1> : dots_t<32, -1>;

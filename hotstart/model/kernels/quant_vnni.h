@@ -35,7 +35,7 @@ VNNI_INLINE void scales(const uint8_t *r, int64_t c, int valid, __m512 &s, __m51
         const uint8_t *b = r + c * in.bytes;
         const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192))));
         s = _mm512_mul_ps(sc, _mm512_set1_ps(half_at(b + 208)));
-        o = _mm512_mul_ps(s, _mm512_set1_ps(-32.0f));
+        o = _mm512_mul_ps(s, _mm512_set1_ps(-(float)(1 << offset_shift(Q6_K))));
     } else if (T == Q4_K || T == Q5_K) {  // two super-blocks of 8 groups (the second absent past valid)
         // each super-block's first 16 bytes (d, dmin, scales[12]) in a 128-bit lane of its own, then per
         // lane: 12 scale bytes q -> bytes 0-7: 6-bit scales, 8-15: 6-bit mins (ggml's get_scale_min_k4)
@@ -71,7 +71,7 @@ VNNI_INLINE void scales(const uint8_t *r, int64_t c, int valid, __m512 &s, __m51
         if (T == Q4_1 || T == Q5_1)
             o = halves(_mm512_srli_epi32(g, 16));
         else
-            o = _mm512_mul_ps(s, _mm512_set1_ps(T == Q8_0 ? -128.0f : T == Q5_0 ? -16.0f : -8.0f));
+            o = _mm512_mul_ps(s, _mm512_set1_ps(-(float)(1 << offset_shift(T))));  // Q8_0, Q5_0, Q4_0
     }
 }
 
