@@ -6,6 +6,10 @@ found running), asked for their model name, and stopped.
   --peers vllm,llamacpp,transformers   the command lines `make peers` wrote (servers.peer_spec)
   --peer CMD [--peer-name NAME]        any server's command line with {port} and {model} / {gguf}
   --url URL [--url-name NAME]          a server that is already running (never started or stopped here)
+
+Each start of a hotstart target gets an empty folder of its own for the prefix cache on disk
+(HOTSTART_KV_DIR, removed when it stops): prompts seeded alike in an earlier run would otherwise be read
+back instead of computed, a head start no peer has. A VAR=value word of the target's sets it otherwise.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
+import tempfile
 import urllib.request
 from dataclasses import dataclass, field
 from urllib.error import URLError
@@ -35,6 +41,7 @@ class ServeTarget:
     weights: str = ""
     mb: roofline.ModelBytes | None = None
     info: dict = field(default_factory=dict)  # ready_s, fast path, served dtype... (results.json)
+    kv_dir: str | None = None  # this start's empty prefix-cache folder (removed at stop)
 
     def get_json(self, path: str, headers: dict | None = None, timeout: float = 5.0) -> dict | None:
         req = urllib.request.Request(self.url + path, headers=headers or {})
@@ -105,8 +112,14 @@ def start(t: ServeTarget, args, model: str, headers: dict | None) -> None:
     """Launch T (or check that a --url answers), wait for hotstart's fast path, learn its model name,
     pid and served dtype, and what a decode step of it reads (for the roofline fraction)."""
     if t.spec is not None:
-        env = {"OMP_NUM_THREADS": str(args.omp_threads)} if args.omp_threads else None
-        t.srv = sv.spawn(t.spec, args.ready_timeout, env)
+        env = {"OMP_NUM_THREADS": str(args.omp_threads)} if args.omp_threads else {}
+        if t.kind == "hotstart" and "HOTSTART_KV_DIR" not in t.spec.env:
+            t.kv_dir = env["HOTSTART_KV_DIR"] = t.info["kv_dir"] = tempfile.mkdtemp(prefix="hotstart-bench-kv-")
+        try:
+            t.srv = sv.spawn(t.spec, args.ready_timeout, env)
+        except BaseException:
+            stop(t)
+            raise
         t.url, t.pid = t.srv.url, t.srv.pid
         t.info["ready_s"] = round(t.srv.t_health, 2)
         if t.kind == "hotstart":
@@ -136,8 +149,9 @@ def start(t: ServeTarget, args, model: str, headers: dict | None) -> None:
 
 
 def stop(t: ServeTarget) -> dict | None:
-    if t.srv is None:
-        return None
-    out = t.srv.stop()
+    out = t.srv.stop() if t.srv is not None else None
     t.srv = None
+    if t.kv_dir:
+        shutil.rmtree(t.kv_dir, ignore_errors=True)
+        t.kv_dir = None
     return out

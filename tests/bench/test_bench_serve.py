@@ -24,7 +24,11 @@ def bench(args: list[str], env: dict, timeout: float = 240):
 
 
 def test_hotstart_against_a_peer_interleaved(tmp_path, default_model_dir):
-    env = peers_env(tmp_path, os.environ)
+    # the user's prefix-cache folder is not the one the benchmarked server reads and writes: each start
+    # gets an empty one (under TMPDIR), removed when it stops
+    (tmp_path / "tmp").mkdir()
+    env = {**peers_env(tmp_path, os.environ), "TMPDIR": str(tmp_path / "tmp"),
+           "HOTSTART_KV_DIR": str(tmp_path / "user-kv")}
     out = tmp_path / "out"
     peer = fake_server_cmd(tmp_path, first=0.05, gap=0.02)
     res = bench([str(default_model_dir), "--hotstart", "=", "--peer", peer, "--peer-name", "fake",
@@ -47,6 +51,8 @@ def test_hotstart_against_a_peer_interleaved(tmp_path, default_model_dir):
     # bf16 where the CPU computes it natively (avx512_bf16 / amx), else float32 (engine/placement.py)
     assert target["hotstart"]["weights"] in ("bfloat16 safetensors", "float32 safetensors")
     assert target["hotstart"]["fast_path"]
+    assert target["hotstart"]["kv_dir"].startswith(str(tmp_path / "tmp"))
+    assert not list((tmp_path / "tmp").iterdir()) and not (tmp_path / "user-kv").exists()
     assert target["hotstart"]["bytes_per_step"] > 2e8
     rows = {(r["target"], r["input_len"], r["concurrency"]): r for r in data["summary"]}
     assert len(rows) == 8 and all(r["rounds"] == 2 and r["completed"] == 4 for r in rows.values())
