@@ -74,7 +74,10 @@ def test_kernels_equal_dequantize_then_matmul(name):
                                                                                (17, torch.bfloat16))],
                                  # a last pass of one token after 64 (AVX2: the one-token rows)
                                  *[(65, torch.float32, isa, 2) for isa in ISAS if isa == qk.AVX2],
-                                 (48, torch.float32, ISAS[0], 2), (48, torch.bfloat16, ISAS[-1], 1)]:
+                                 (48, torch.float32, ISAS[0], 2), (48, torch.bfloat16, ISAS[-1], 1),
+                                 # a step of 256 tokens (4 blocks of 64 over rows transposed once on
+                                 # AVX512-VNNI), then one of 44
+                                 (300, torch.bfloat16, ISAS[0], 2)]:
             torch.set_num_threads(t)
             x = (torch.randn(m, k, dtype=torch.float32) * torch.rand(1, k) * 4).to(dtype)  # uneven channels
             out = qk.matmul(x, [(wt, TYPES[name])], isa)

@@ -3,7 +3,8 @@
 // x is quantized once per call (quant_acts.cpp). Each thread then takes chunks of rows, one sequential
 // stream of blocks per thread, and per block of TOKEN_BLOCK tokens:
 //   AVX512-VNNI: one token, a row at a time in registers (quant_vnni.cpp); 2+ tokens, rows transposed
-//     once, 4 rows x 3 tokens per register tile (quant_tiles.cpp);
+//     once per call (each chunk's rows for all its tokens), 4 rows x 3 tokens per register tile
+//     (quant_tiles.cpp);
 //   AVX2, one token: a row at a time in registers (quant_avx2.cpp);
 //   AVX2 (2+ tokens) and portable: a segment of a row unpacked into quant.h's one form (in L1), then
 //     multiplied with up to 4 tokens per pass (their accumulators in registers). AVX2: vpmaddubsw + vpmaddwd, 32
@@ -24,6 +25,11 @@ namespace {
 
 constexpr int64_t CHUNK = 16;        // rows per unit of parallel work
 constexpr int64_t TOKEN_BLOCK = 64;  // tokens per pass over a chunk's weights (their int8 rows in L2)
+// a longer step is multiplied STEP_BLOCK tokens at a time, each a call of its own: its quantized x stays
+// within L3 while every chunk of rows passes over it (a 2,048-token prefill's x for a 7B's down
+// projection is 39 MB, streamed from memory for every 16 rows: 7B layers at 2,048 tokens ran ~16 % slower
+// than at 256)
+constexpr int64_t STEP_BLOCK = 256;
 constexpr int MAX_MM = 4;            // tokens per pass over a segment (accumulators in registers)
 // one token and rows longer than this: the threads take chunks in turn (their reads side by side) rather
 // than a contiguous half each: K = 18944 (a 7B's down projection) streamed at ~23 against ~20 GB/s; short
@@ -125,61 +131,79 @@ struct Weight {
     DotT dot_t;
 };
 
-struct Scratch {  // a thread's: one segment for unpack + dot, one transposed row for the tiles
+struct Scratch {  // a thread's: one segment for unpack + dot, a chunk's rows transposed for the tiles
     Unpacked seg;
     std::vector<uint8_t> u;
     std::vector<float> s, o;
 };
 
-// rows n0 .. n1 of weight W times tokens m0 .. m1: out[m, col + n]
+// steps of 2+ tokens on AVX512-VNNI: rows from .. to transposed into scratch, row n at n - base
+void unpack_rows(const Weight &W, int64_t from, int64_t to, int64_t base, const Acts &a, int64_t K,
+                 Scratch &scratch) {
+    for (int64_t n = from; n < to; n++)
+        W.unpack_t(W.w + n * W.ldw, K, scratch.u.data() + (n - base) * a.Kp,
+                   scratch.s.data() + (n - base) * (a.Kp / 16), scratch.o.data() + (n - base) * (a.Kp / 16));
+}
+
+// rows n0 .. n1 (one chunk) times tokens m0 .. m1 (2+), TILE_R rows x TILE_MM tokens per call
+// (quant_tiles.cpp): out[m, col + n]. unpacked: the chunk's rows are in scratch already (a call of more
+// than one block of tokens unpacks them once for all its blocks: a prefill of 2,048 tokens once, not 32
+// times); else each tile's rows are unpacked just before its dots (they are in L1 for the first token)
+void tile_rows(const Weight &W, int64_t n0, int64_t n1, const Acts &a, int64_t m0, int64_t m1, int64_t K, float *out,
+               int64_t ldo, Scratch &scratch, bool unpacked) {
+    const int gs = W.in.group;
+    const int64_t G = a.Kp / gs;  // groups per token
+    float sums[TILE_R][TOKEN_BLOCK];
+    Tile tile;
+    tile.rs = a.Kp, tile.ss = a.Kp / 16, tile.groups = K / gs, tile.ldsum = TOKEN_BLOCK;
+    const int8_t *qt = (gs == 16 ? a.qt16 : a.qt32).data();
+    const float *dt = (gs == 16 ? a.dt16 : a.dt32).data(), *st = (gs == 16 ? a.st16 : a.st32).data();
+    const int32_t *nt = (gs == 16 ? a.nt16 : a.nt32).data();
+    for (int64_t r0 = n0; r0 < n1; r0 += TILE_R) {
+        const int nr = n1 - r0 < TILE_R ? (int)(n1 - r0) : TILE_R;
+        const int64_t base = unpacked ? n0 : r0;  // scratch's first row
+        if (!unpacked) unpack_rows(W, r0, r0 + nr, base, a, K, scratch);
+        tile.u = scratch.u.data() + (r0 - base) * tile.rs;
+        tile.s = scratch.s.data() + (r0 - base) * tile.ss, tile.o = scratch.o.data() + (r0 - base) * tile.ss;
+        for (int r = 0; r < nr; r++)
+            for (int64_t m = m0; m < m1; m++) sums[r][m - m0] = 0.0f;
+        for (int64_t m = m0; m < m1; m += TILE_MM) {
+            const int mm = m1 - m < TILE_MM ? (int)(m1 - m) : TILE_MM;
+            for (int t = 0; t < mm; t++) {
+                tile.qt[t] = qt + (m + t) * a.Kp;
+                tile.qn[t] = a.q.data() + (m + t) * a.Kp;
+                tile.dt[t] = dt + (m + t) * G;
+                tile.st[t] = st + (m + t) * G;
+                tile.nt[t] = nt + (m + t) * G;
+                tile.dn[t] = a.d(gs) + (m + t) * G;
+                tile.sn[t] = a.s(gs) + (m + t) * G;
+            }
+            tile.sums = &sums[0][m - m0];
+            W.dot_t(nr, mm, tile);
+        }
+        for (int r = 0; r < nr; r++)
+            for (int64_t m = m0; m < m1; m++) out[m * ldo + W.col + r0 + r] = sums[r][m - m0];
+    }
+}
+
+// rows n0 .. n1 of weight W times tokens m0 .. m1 without the tiles: one token on AVX512-VNNI or AVX2
+// (a row in registers), AVX2's 2+ tokens and the portable path (a segment unpacked, then up to MAX_MM
+// tokens per pass): out[m, col + n]
 void rows(const Weight &W, int64_t n0, int64_t n1, const Acts &a, int64_t m0, int64_t m1, int64_t K, float *out,
           int64_t ldo, Scratch &scratch) {
     Unpacked &seg = scratch.seg;
     const int gs = W.in.group;
     const int64_t G = a.Kp / gs;  // groups per token
-    float sums[TILE_R][TOKEN_BLOCK];
-    if (W.vnni && m1 - m0 >= 2) {  // TILE_R rows at a time, each transposed once (quant_tiles.cpp)
-        Tile tile;
-        tile.u = scratch.u.data(), tile.s = scratch.s.data(), tile.o = scratch.o.data();
-        tile.rs = a.Kp, tile.ss = a.Kp / 16, tile.groups = K / gs, tile.ldsum = TOKEN_BLOCK;
-        const int8_t *qt = (gs == 16 ? a.qt16 : a.qt32).data();
-        const float *dt = (gs == 16 ? a.dt16 : a.dt32).data(), *st = (gs == 16 ? a.st16 : a.st32).data();
-        const int32_t *nt = (gs == 16 ? a.nt16 : a.nt32).data();
-        for (int64_t r0 = n0; r0 < n1; r0 += TILE_R) {
-            const int nr = n1 - r0 < TILE_R ? (int)(n1 - r0) : TILE_R;
-            for (int r = 0; r < nr; r++) {
-                W.unpack_t(W.w + (r0 + r) * W.ldw, K, scratch.u.data() + r * tile.rs,
-                           scratch.s.data() + r * tile.ss, scratch.o.data() + r * tile.ss);
-                for (int64_t m = m0; m < m1; m++) sums[r][m - m0] = 0.0f;
-            }
-            for (int64_t m = m0; m < m1; m += TILE_MM) {
-                const int mm = m1 - m < TILE_MM ? (int)(m1 - m) : TILE_MM;
-                for (int t = 0; t < mm; t++) {
-                    tile.qt[t] = qt + (m + t) * a.Kp;
-                    tile.qn[t] = a.q.data() + (m + t) * a.Kp;
-                    tile.dt[t] = dt + (m + t) * G;
-                    tile.st[t] = st + (m + t) * G;
-                    tile.nt[t] = nt + (m + t) * G;
-                    tile.dn[t] = a.d(gs) + (m + t) * G;
-                    tile.sn[t] = a.s(gs) + (m + t) * G;
-                }
-                tile.sums = &sums[0][m - m0];
-                W.dot_t(nr, mm, tile);
-            }
-            for (int r = 0; r < nr; r++)
-                for (int64_t m = m0; m < m1; m++) out[m * ldo + W.col + r0 + r] = sums[r][m - m0];
-        }
-        return;
-    }
+    float sums[TOKEN_BLOCK];
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = W.w + n * W.ldw;
-        for (int64_t m = m0; m < m1; m++) sums[0][m - m0] = 0.0f;
+        for (int64_t m = m0; m < m1; m++) sums[m - m0] = 0.0f;
         const bool one = W.avx2 && m1 - m0 == 1;  // AVX2, one token: the row in registers
-        if (W.vnni)  // one token (steps of 2+ took the tiles above)
-            sums[0][0] = W.vnni(row, K, (W.nibbles ? a.qn : a.q).data() + m0 * a.Kp, a.d(gs) + m0 * G,
-                                a.s(gs) + m0 * G);
+        if (W.vnni)  // one token (steps of 2+ take tile_rows())
+            sums[0] = W.vnni(row, K, (W.nibbles ? a.qn : a.q).data() + m0 * a.Kp, a.d(gs) + m0 * G,
+                             a.s(gs) + m0 * G);
         else if (one)
-            sums[0][0] = W.avx2(row, K, a.q.data() + m0 * a.Kp, a.d(gs) + m0 * G, a.s(gs) + m0 * G);
+            sums[0] = W.avx2(row, K, a.q.data() + m0 * a.Kp, a.d(gs) + m0 * G, a.s(gs) + m0 * G);
         for (int64_t e0 = 0; !W.vnni && !one && e0 < K; e0 += SEG) {
             // past len: u to a multiple of 64, s and o to one of 16 groups, zeros
             const int64_t len = K - e0 < SEG ? K - e0 : SEG, padded = (len + 63) / 64 * 64;
@@ -194,10 +218,10 @@ void rows(const Weight &W, int64_t n0, int64_t n1, const Acts &a, int64_t m0, in
                     p.d[t] = a.d(gs) + (m + t) * G + e0 / gs;
                     p.s[t] = a.s(gs) + (m + t) * G + e0 / gs;
                 }
-                W.dot[mm - 1](seg, padded, p, &sums[0][m - m0]);
+                W.dot[mm - 1](seg, padded, p, &sums[m - m0]);
             }
         }
-        for (int64_t m = m0; m < m1; m++) out[m * ldo + W.col + n] = sums[0][m - m0];
+        for (int64_t m = m0; m < m1; m++) out[m * ldo + W.col + n] = sums[m - m0];
     }
 }
 
@@ -214,6 +238,15 @@ int hs_quant_matmul(int isa, int xdtype, const void *x, int64_t M, int64_t K, in
                     const int64_t *lds, const int64_t *ns, const int *types, float *out, int64_t ldo) {
     using namespace hsq;
     if (M < 1 || K < 32 || nw < 1 || nw > 16 || (xdtype != 1 && xdtype != 2) || isa < 0 || isa > 2) return -1;
+    if (M > STEP_BLOCK) {
+        const int64_t row = K * (xdtype == 1 ? 2 : 4);  // bytes of one token of x
+        for (int64_t m = 0; m < M; m += STEP_BLOCK) {
+            const int rc = hs_quant_matmul(isa, xdtype, (const char *)x + m * row, M - m < STEP_BLOCK ? M - m : STEP_BLOCK,
+                                           K, nw, ws, lds, ns, types, out + m * ldo, ldo);
+            if (rc != 0) return rc;
+        }
+        return 0;
+    }
     Weight W[16];
     int64_t col = 0, chunks = 0;
     int tiles = 0;  // the transposed layouts of x the weights need (2+ tokens, AVX512-VNNI)
@@ -246,17 +279,26 @@ int hs_quant_matmul(int isa, int xdtype, const void *x, int64_t M, int64_t K, in
 #pragma omp parallel
     {
         Scratch scratch;
-        if (isa == AVX512_VNNI && M >= 2) {
-            scratch.u.resize(TILE_R * acts.Kp);
-            scratch.s.resize(TILE_R * acts.Kp / 16);
-            scratch.o.resize(TILE_R * acts.Kp / 16);
+        const bool tiled = isa == AVX512_VNNI && M >= 2;
+        if (tiled) {  // a chunk's rows (unpacked once for several blocks of tokens), else a tile's
+            const int64_t held = M > TOKEN_BLOCK ? CHUNK : TILE_R;
+            scratch.u.resize(held * acts.Kp);
+            scratch.s.resize(held * acts.Kp / 16);
+            scratch.o.resize(held * acts.Kp / 16);
         }
         auto chunk = [&](int64_t c) {
             int64_t i = 0, first = c;  // chunk c is the first-th chunk of weight i
             while (first >= (W[i].n + CHUNK - 1) / CHUNK) first -= (W[i].n + CHUNK - 1) / CHUNK, i++;
             const int64_t n0 = first * CHUNK, n1 = n0 + CHUNK < W[i].n ? n0 + CHUNK : W[i].n;
-            for (int64_t m0 = 0; m0 < M; m0 += TOKEN_BLOCK)
-                rows(W[i], n0, n1, acts, m0, M - m0 < TOKEN_BLOCK ? M : m0 + TOKEN_BLOCK, K, out, ldo, scratch);
+            const bool once = tiled && M > TOKEN_BLOCK;
+            if (once) unpack_rows(W[i], n0, n1, n0, acts, K, scratch);
+            for (int64_t m0 = 0; m0 < M; m0 += TOKEN_BLOCK) {
+                const int64_t m1 = M - m0 < TOKEN_BLOCK ? M : m0 + TOKEN_BLOCK;
+                if (tiled && m1 - m0 >= 2)
+                    tile_rows(W[i], n0, n1, acts, m0, m1, K, out, ldo, scratch, once);
+                else  // one token (a last block of 1): the row in registers
+                    rows(W[i], n0, n1, acts, m0, m1, K, out, ldo, scratch);
+            }
         };
         if (M == 1 && K > LONG_ROW) {  // the threads' chunks side by side: one region of memory streamed
 #pragma omp for schedule(static, 1)
