@@ -217,6 +217,11 @@ void rows(const Weight &W, int64_t n0, int64_t n1, const Acts &a, int64_t m0, in
         for (int64_t e0 = 0; !W.vnni && !one && e0 < K; e0 += SEG) {
             // past len: u to a multiple of 64, s and o to one of 16 groups, zeros
             const int64_t len = K - e0 < SEG ? K - e0 : SEG, padded = (len + 63) / 64 * 64;
+            if (n + 1 < W.n) {  // the next row's segment fetched into L2 while this one's passes run
+                const uint8_t *at = row + W.ldw + e0 / W.in.block * W.in.bytes;
+                for (int64_t b = 0; b < len / W.in.block * W.in.bytes; b += 64)
+                    _mm_prefetch((const char *)(at + b), _MM_HINT_T1);
+            }
             W.unpack(row + e0 / W.in.block * W.in.bytes, len / W.in.block, seg);
             memset(seg.u + len, 0, padded - len);
             for (int64_t g = len / gs; g < (len / gs + 15) / 16 * 16; g++) seg.s[g] = seg.o[g] = 0.0f;
