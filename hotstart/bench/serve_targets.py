@@ -114,7 +114,8 @@ def start(t: ServeTarget, args, model: str, headers: dict | None) -> None:
     if t.spec is not None:
         env = {"OMP_NUM_THREADS": str(args.omp_threads)} if args.omp_threads else {}
         if t.kind == "hotstart" and "HOTSTART_KV_DIR" not in t.spec.env:
-            t.kv_dir = env["HOTSTART_KV_DIR"] = t.info["kv_dir"] = tempfile.mkdtemp(prefix="hotstart-bench-kv-")
+            t.kv_dir = tempfile.mkdtemp(prefix="hotstart-bench-kv-")
+            env["HOTSTART_KV_DIR"] = t.info["kv_dir"] = t.kv_dir
         try:
             t.srv = sv.spawn(t.spec, args.ready_timeout, env)
         except BaseException:
