@@ -172,8 +172,7 @@ void tile_rows(const Weight &W, int64_t n0, int64_t n1, const Acts &a, int64_t m
         // dot products idle
         const uint8_t *fetch = W.w + (r0 + nr) * W.ldw;
         const uint8_t *fetched = W.w + (r0 + nr + TILE_R < W.n ? r0 + nr + TILE_R : W.n) * W.ldw;
-        const int64_t share = (fetched - fetch + 64 * ((m1 - m0 + TILE_MM - 1) / TILE_MM) - 1) /
-                              ((m1 - m0 + TILE_MM - 1) / TILE_MM);
+        const int64_t share = (fetched - fetch) / ((m1 - m0 + TILE_MM - 1) / TILE_MM) + 64;  // bytes per call
         for (int64_t m = m0; m < m1; m += TILE_MM) {
             const int mm = m1 - m < TILE_MM ? (int)(m1 - m) : TILE_MM;
             if (!unpacked)
