@@ -294,8 +294,9 @@ int hs_quant_matmul(int isa, int xdtype, const void *x, int64_t M, int64_t K, in
     {
         Scratch scratch;
         const bool tiled = isa == AVX512_VNNI && M >= 2;
-        if (tiled) {  // a chunk's rows (unpacked once for several blocks of tokens), else a tile's
-            const int64_t held = M > TOKEN_BLOCK ? CHUNK : TILE_R;
+        const bool once = tiled && M > TOKEN_BLOCK;  // a chunk's rows unpacked once for its blocks of tokens
+        if (tiled) {  // a chunk's rows (once), else a tile's
+            const int64_t held = once ? CHUNK : TILE_R;
             scratch.u.resize(held * acts.Kp);
             scratch.s.resize(held * acts.Kp / 16);
             scratch.o.resize(held * acts.Kp / 16);
@@ -304,7 +305,6 @@ int hs_quant_matmul(int isa, int xdtype, const void *x, int64_t M, int64_t K, in
             int64_t i = 0, first = c;  // chunk c is the first-th chunk of weight i
             while (first >= (W[i].n + CHUNK - 1) / CHUNK) first -= (W[i].n + CHUNK - 1) / CHUNK, i++;
             const int64_t n0 = first * CHUNK, n1 = n0 + CHUNK < W[i].n ? n0 + CHUNK : W[i].n;
-            const bool once = tiled && M > TOKEN_BLOCK;
             if (once) unpack_rows(W[i], n0, n1, n0, acts, K, scratch);
             for (int64_t m0 = 0; m0 < M; m0 += TOKEN_BLOCK) {
                 const int64_t m1 = M - m0 < TOKEN_BLOCK ? M : m0 + TOKEN_BLOCK;
