@@ -60,6 +60,7 @@ class CausalLM(nn.Module):
         self.lm_head_gemv: cpu_kernels.Segments | None = None  # the small-batch kernel over output_weight()
         self.quant_head: nn.Module | None = None  # a GGUF's quantized LM head (model/quant.py QuantLinear)
         self.layer_ops = False  # every step through model/layer_ops.py (set with the CPU kernels)
+        self.quant_step = None  # a GGUF's decode steps in one kernel call (model/quant_step.py), with them
         self.tp = None  # parallel.TensorParallel: this model is one rank's part (set by parallel.shard)
 
     def post_load(self, device: torch.device, dtype: torch.dtype) -> None:
@@ -79,7 +80,8 @@ class CausalLM(nn.Module):
         if self.model.rotary_local is not None:
             meta.cos_local, meta.sin_local = self.model.rotary_local.lookup(positions)
         if self.layer_ops:
-            return layer_ops.forward(self, h, meta)
+            out = None if self.quant_step is None else self.quant_step(h, meta)
+            return layer_ops.forward(self, h, meta) if out is None else out
         for layer in self.model.layers:
             h = layer(h, meta)
         return self.model.norm(h)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from hotstart.model import cpu_kernels, layer_ops, onednn, quant_kernels
+from hotstart.model import cpu_kernels, layer_ops, onednn, quant_kernels, quant_step
 from hotstart.model.decoder import CausalLM
 from hotstart.model.layers import Linear, PackedGroup
 
@@ -105,6 +105,7 @@ class KernelInstall:
         self.model, self.whys = model, whys
         cpu_kernels.load(path)
         model.layer_ops = False  # until finish(): the layer ops want every layer's kernels
+        model.quant_step = None
         self.notes: list[str] = []
         if quant_kernels.quantized(model):  # the library's quantized matmul, through model/quant.py's hook
             self.notes.append(quant_kernels.install()
@@ -139,6 +140,11 @@ class KernelInstall:
             family_why = layer_ops.unsupported(model)
             model.layer_ops = not family_why
             notes.append(f"no layer ops: {family_why}" if family_why else "layer ops")
+            if model.layer_ops and quant_kernels.quantized(model):
+                step = quant_step.build(model)
+                model.quant_step = None if isinstance(step, str) else step
+                notes.append(f"no one-call decode step: {step}" if isinstance(step, str)
+                             else "one-call decode step")
         return notes
 
 
