@@ -118,13 +118,16 @@ class QuantStep:
 
     def __call__(self, h: torch.Tensor, meta: AttnMetadata) -> torch.Tensor | None:
         """h: [T, hidden] the embeddings (meta's rotary tables set) -> the final norm's output [T, hidden];
-        None for a step that is not one token per sequence (or not in the norms' dtype)."""
-        d = meta.decode
-        if meta.prefill is not None or d is None or d.context is None or h.dtype != self.norm.weight.dtype:
+        None for a step that is not one token per sequence (or with activations, tables or a cache in
+        another dtype than the norms')."""
+        d, dtype = meta.decode, self.norm.weight.dtype
+        if (meta.prefill is not None or d is None or d.context is None or h.dtype != dtype
+                or meta.cos.dtype != dtype):
             return None
         for entry, layer in zip(self.table, self.layers, strict=True):
             k, v = layer.self_attn.k_cache, layer.self_attn.v_cache
-            if k is None or k.stride(2) != 1 or k.stride(1) != k.shape[2] or v.stride() != k.stride():
+            if (k is None or k.dtype != dtype or v.dtype != dtype or k.stride(2) != 1
+                    or k.stride(1) != k.shape[2] or v.stride() != k.stride()):
                 return None
             entry.k_cache, entry.v_cache, entry.head_stride = k.data_ptr(), v.data_ptr(), k.stride(0)
         if cpu_kernels._traced:

@@ -69,10 +69,13 @@ int64_t outputs(const HsStepProduct &p) {
     return n;
 }
 
+constexpr int64_t PARALLEL_MIN = 1 << 15;  // elements from which `finish` splits its tokens over threads
+
 // y: [T, N] float32 (the parts side by side, file order) -> out: [T, N] in T's dtype, checkpoint order
 template <typename T>
 void finish(const HsStepProduct &p, const float *y, int64_t tokens, T *out) {
     const int64_t n = outputs(p);
+#pragma omp parallel for if (tokens > 1 && tokens * n >= PARALLEL_MIN) schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
         const float *yt = y + t * n;
         T *ot = out + t * n;
