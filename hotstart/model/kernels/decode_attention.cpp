@@ -37,10 +37,48 @@ struct Args {
     int64_t window;        // 0: none; else keys >= context - window only
 };
 
-// one (sequence b, KV head g): its G query heads; scores: scratch of G * L floats, acc: G * D floats
+constexpr int64_t KEYS = 32;  // keys converted to float32 at a time (KEYS x D floats: in L1 for D <= 256)
+
+// keys p0 .. p0 + n of head cache H (through the block table) -> float32 rows of D in BUF
 template <typename T>
 __attribute__((target("avx2,fma")))
-void one(const Args &a, int64_t b, int64_t g, std::vector<float> &scores, std::vector<float> &acc) {
+void to_rows(const Args &a, const T *hc, const int64_t *table, int64_t p0, int64_t n, float *buf) {
+    const int64_t D = a.D, D8 = D & ~(int64_t)7;
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t p = p0 + j;
+        const T *src = hc + (table[p / a.block_size] * a.block_size + p % a.block_size) * D;
+        float *dst = buf + j * D;
+        for (int64_t d = 0; d < D8; d += 8) _mm256_storeu_ps(dst + d, load8(src + d));
+        for (int64_t d = D8; d < D; d++) dst[d] = to_f32(src[d]);
+    }
+}
+
+// q . k over D: 8 lanes in order of d, then their sum and the tail (every key's score rounds alike)
+template <int N>
+__attribute__((target("avx2,fma")))
+inline void dots(const float *qh, const float *k, int64_t D, float *s) {
+    const int64_t D8 = D & ~(int64_t)7;
+    __m256 s8[N];
+    for (int i = 0; i < N; i++) s8[i] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D8; d += 8) {
+        const __m256 q8 = _mm256_loadu_ps(qh + d);
+        for (int i = 0; i < N; i++) s8[i] = _mm256_fmadd_ps(q8, _mm256_loadu_ps(k + i * D + d), s8[i]);
+    }
+    for (int i = 0; i < N; i++) {
+        float v = hsum256(s8[i]);
+        for (int64_t d = D8; d < D; d++) v += qh[d] * k[i * D + d];
+        s[i] = v;
+    }
+}
+
+// one (sequence b, KV head g): its G query heads; scores: scratch of G * L floats, acc: G * D floats,
+// rows: KEYS * D floats. Keys and values are converted to float32 once per block of KEYS for the G heads;
+// a head's scores are taken 4 keys at a time (independent sums) and its output accumulates a block of
+// keys in registers. Every score and output element sums in the same order as one key at a time would.
+template <typename T>
+__attribute__((target("avx2,fma")))
+void one(const Args &a, int64_t b, int64_t g, std::vector<float> &scores, std::vector<float> &acc,
+         std::vector<float> &rows) {
     const int64_t G = a.H / a.KVH, D = a.D, ctx = a.context[b];
     const int64_t lo = a.window > 0 && ctx - a.window > 0 ? ctx - a.window : 0;
     const int64_t L = ctx - lo;
@@ -50,21 +88,24 @@ void one(const Args &a, int64_t b, int64_t g, std::vector<float> &scores, std::v
     const int64_t *table = a.tables + b * a.nb;
     scores.resize(G * (L > 0 ? L : 1));
     acc.assign(G * D, 0.0f);
+    rows.resize(KEYS * D);
     float qf[8 * 512];  // this head group's queries in float32 (G * D <= 4096: checked by the caller)
     for (int64_t i = 0; i < G * D; i++) qf[i] = to_f32(q[i]);
     const int64_t D8 = D & ~(int64_t)7;
-    // scores = q . k * scale (capped), each key read once for the G heads
-    for (int64_t p = lo; p < ctx; p++) {
-        const T *k = kh + (table[p / a.block_size] * a.block_size + p % a.block_size) * D;
+    // scores = q . k * scale (capped)
+    for (int64_t p0 = lo; p0 < ctx; p0 += KEYS) {
+        const int64_t n = ctx - p0 < KEYS ? ctx - p0 : KEYS;
+        to_rows(a, kh, table, p0, n, rows.data());
         for (int64_t h = 0; h < G; h++) {
-            const float *qh = qf + h * D;
-            __m256 s8 = _mm256_setzero_ps();
-            for (int64_t d = 0; d < D8; d += 8) s8 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), load8(k + d), s8);
-            float s = hsum256(s8);
-            for (int64_t d = D8; d < D; d++) s += qh[d] * to_f32(k[d]);
-            s *= a.scale;
-            if (a.softcap > 0) s = tanhf(s / a.softcap) * a.softcap;
-            scores[h * L + p - lo] = s;
+            float *sh = scores.data() + h * L + p0 - lo;
+            int64_t j = 0;
+            for (; j + 4 <= n; j += 4) dots<4>(qf + h * D, rows.data() + j * D, D, sh + j);
+            for (; j < n; j++) dots<1>(qf + h * D, rows.data() + j * D, D, sh + j);
+            for (j = 0; j < n; j++) {
+                float s = sh[j] * a.scale;
+                if (a.softcap > 0) s = tanhf(s / a.softcap) * a.softcap;
+                sh[j] = s;
+            }
         }
     }
     // softmax per head
@@ -88,16 +129,36 @@ void one(const Args &a, int64_t b, int64_t g, std::vector<float> &scores, std::v
         const float inv = 1.0f / z;
         for (i = 0; i < L; i++) s[i] *= inv;
     }
-    // out = probs . v, each value read once for the G heads
-    for (int64_t p = lo; p < ctx; p++) {
-        const T *v = vh + (table[p / a.block_size] * a.block_size + p % a.block_size) * D;
+    // out = probs . v: per head, 32 of its D outputs in registers over the block's keys (in order)
+    for (int64_t p0 = lo; p0 < ctx; p0 += KEYS) {
+        const int64_t n = ctx - p0 < KEYS ? ctx - p0 : KEYS;
+        to_rows(a, vh, table, p0, n, rows.data());
+        const float *v = rows.data();
         for (int64_t h = 0; h < G; h++) {
-            const float w = scores[h * L + p - lo];
+            const float *w = scores.data() + h * L + p0 - lo;
             float *o = acc.data() + h * D;
-            const __m256 w8 = _mm256_set1_ps(w);
-            for (int64_t d = 0; d < D8; d += 8)
-                _mm256_storeu_ps(o + d, _mm256_fmadd_ps(w8, load8(v + d), _mm256_loadu_ps(o + d)));
-            for (int64_t d = D8; d < D; d++) o[d] += w * to_f32(v[d]);
+            int64_t d = 0;
+            for (; d + 32 <= D8; d += 32) {
+                __m256 o0 = _mm256_loadu_ps(o + d), o1 = _mm256_loadu_ps(o + d + 8);
+                __m256 o2 = _mm256_loadu_ps(o + d + 16), o3 = _mm256_loadu_ps(o + d + 24);
+                for (int64_t j = 0; j < n; j++) {
+                    const __m256 w8 = _mm256_set1_ps(w[j]);
+                    const float *vj = v + j * D + d;
+                    o0 = _mm256_fmadd_ps(w8, _mm256_loadu_ps(vj), o0);
+                    o1 = _mm256_fmadd_ps(w8, _mm256_loadu_ps(vj + 8), o1);
+                    o2 = _mm256_fmadd_ps(w8, _mm256_loadu_ps(vj + 16), o2);
+                    o3 = _mm256_fmadd_ps(w8, _mm256_loadu_ps(vj + 24), o3);
+                }
+                _mm256_storeu_ps(o + d, o0), _mm256_storeu_ps(o + d + 8, o1);
+                _mm256_storeu_ps(o + d + 16, o2), _mm256_storeu_ps(o + d + 24, o3);
+            }
+            for (; d < D8; d += 8) {
+                __m256 o0 = _mm256_loadu_ps(o + d);
+                for (int64_t j = 0; j < n; j++) o0 = _mm256_fmadd_ps(_mm256_set1_ps(w[j]), _mm256_loadu_ps(v + j * D + d), o0);
+                _mm256_storeu_ps(o + d, o0);
+            }
+            for (; d < D; d++)
+                for (int64_t j = 0; j < n; j++) o[d] += w[j] * v[j * D + d];
         }
     }
     T *out = (T *)a.out + (b * a.H + g * G) * D;
@@ -109,9 +170,9 @@ void run(const Args &a) {
     const int64_t items = a.B * a.KVH;
 #pragma omp parallel
     {
-        std::vector<float> scores, acc;  // per thread, reused across its items
+        std::vector<float> scores, acc, rows;  // per thread, reused across its items
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < items; it++) one<T>(a, it / a.KVH, it % a.KVH, scores, acc);
+        for (int64_t it = 0; it < items; it++) one<T>(a, it / a.KVH, it % a.KVH, scores, acc, rows);
     }
 }
 
