@@ -185,7 +185,8 @@ def test_node_killed_mid_stream(cluster, app):
         return False
 
     lines, errors = [], []
-    body = {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 480, "ignore_eos": True,
+    # as long as the fixture's context allows (512): it has to outlast the waits below (the kill ends it)
+    body = {"model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 500, "ignore_eos": True,
             "temperature": 0, "stream": True}
 
     def stream() -> None:
@@ -209,7 +210,15 @@ def test_node_killed_mid_stream(cluster, app):
     # scheduler may place this one on a node that never did (then it has none yet, and says so)
     if "zygote used" not in phases:
         assert phases["zygote not used"]["detail"].startswith("none running"), phases["zygote not used"]
-    serving = [n for n in cluster.nodes if has_replica(n)]
+    # a replica the scale from zero started beside this one can still be stopping (Serve reported
+    # {'STOPPING': 1, 'RUNNING': 1} here on a loaded machine): wait until one node holds a replica
+    def serving_nodes() -> list:
+        return [n for n in cluster.nodes if has_replica(n)]
+
+    waited = time.monotonic()
+    wait_for(lambda: not replicas().get("STOPPING") and len(serving_nodes()) == 1, 30)
+    serving = serving_nodes()
+    print(f"one node serving after {time.monotonic() - waited:.2f} s, {len(lines)} lines streamed")
     assert len(serving) == 1, (replicas(), [n.node_id for n in serving])
     assert t.is_alive(), "the stream ended before the node's kill"
     cluster.kill_node(serving[0])
