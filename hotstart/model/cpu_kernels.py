@@ -11,7 +11,10 @@
   attention with its dot products on vdpbf16ps, where torch's SDPA reaches ~30-50 GMAC/s here;
 - the small ops between a Llama-shaped layer's matmuls (kernels/layer_ops.cpp: `add_rmsnorm`, `rope_kv`,
   `silu_mul`; model/layer_ops.py runs every step through them): three calls where the torch
-  path runs ~15 ops, each over a few thousand numbers.
+  path runs ~15 ops, each over a few thousand numbers;
+- a GGUF model's decode step in one call (kernels/quant_step.cpp, driven by model/quant_step.py): the
+  ops above, the paged decode attention and the quantized matmul (model/quant_kernels.py) called in
+  model/layer_ops.py's order from C++, where Python's calls around them cost as much as the kernels.
 
 Decode at one stream is bound by the weight read. Measured on the 2-vCPU AVX512-BF16 EPYC (one process,
 alternating rounds, the default model's 30 layers of shapes + its LM head, bf16): oneDNN prepacked 22-29

@@ -86,7 +86,6 @@ class QuantStep:
     mapped tensors, which stay; the caches' pointers are read each step)."""
 
     def __init__(self, model) -> None:
-        self.model = model
         self.layers = list(model.model.layers)
         self.table = (_Layer * len(self.layers))()
         self.keep: list[torch.Tensor] = []  # contiguous biases the table points into
