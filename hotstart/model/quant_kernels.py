@@ -72,6 +72,13 @@ def row_bytes(k: int, ggml_type: int) -> int:
     return k // block * size
 
 
+def takes(w: torch.Tensor, ggml_type: int, k: int) -> bool:
+    """Whether the kernels multiply W (uint8 [N, row bytes] of GGML_TYPE) by rows of K elements: a type they
+    have, K in whole blocks, rows contiguous, on the CPU."""
+    return (ggml_type in BLOCKS and k % BLOCKS[ggml_type][0] == 0 and w.dtype == torch.uint8 and w.dim() == 2
+            and w.stride(1) == 1 and w.shape[1] == row_bytes(k, ggml_type) and w.device.type == "cpu")
+
+
 def matmul(x: torch.Tensor, weights: list[tuple[torch.Tensor, int]], isa: int | None = None
            ) -> torch.Tensor | None:
     """x: [M, K] float32 or bf16; weights: (uint8 [N_i, row bytes] with rows contiguous, ggml type) each ->
@@ -81,10 +88,8 @@ def matmul(x: torch.Tensor, weights: list[tuple[torch.Tensor, int]], isa: int | 
             or not 1 <= len(weights) <= MAX_WEIGHTS):
         return None
     m, k = x.shape
-    for w, t in weights:
-        if (t not in BLOCKS or k % BLOCKS[t][0] or w.dtype != torch.uint8 or w.dim() != 2 or w.stride(1) != 1
-                or w.shape[1] != row_bytes(k, t) or w.device.type != "cpu"):
-            return None
+    if not all(takes(w, t, k) for w, t in weights):
+        return None
     x = x.contiguous()
     n = 0
     for i, (w, t) in enumerate(weights):

@@ -74,8 +74,8 @@ def unsupported(model) -> str:
                 t = getattr(lin, "ggml_type", None)
                 if t not in quant_kernels.BLOCKS:
                     return "a projection not in quantized blocks the kernel takes"
-                if lin.in_features % quant_kernels.BLOCKS[t][0] or lin.in_features < 32:
-                    return "a projection's width not in whole blocks"
+                if not quant_kernels.takes(lin.weight, t, lin.in_features):
+                    return "a projection's width (not in whole blocks) or layout the kernel does not take"
                 if lin.bias is not None and lin.bias.dtype != norm.dtype:
                     return "a bias in another dtype"
     return ""
@@ -144,10 +144,9 @@ class QuantStep:
         out = torch.empty_like(h)
         rc = self.fn(quant_kernels._isa, _DTYPES[h.dtype], len(self.layers), self.table, h.shape[0],
                      h.shape[1], heads, kv_heads, head_dim, cos.shape[-1], h.data_ptr(), cos.data_ptr(),
-                     sin.data_ptr(),
-                     slots.data_ptr(), None if order is None else order.data_ptr(), tables.data_ptr(),
-                     tables.shape[1], context.data_ptr(), meta.block_size, self.norm.weight.data_ptr(),
-                     self.norm.eps, out.data_ptr())
+                     sin.data_ptr(), slots.data_ptr(), None if order is None else order.data_ptr(),
+                     tables.data_ptr(), tables.shape[1], context.data_ptr(), meta.block_size,
+                     self.norm.weight.data_ptr(), self.norm.eps, out.data_ptr())
         if rc != 0:
             raise RuntimeError("quant_step: the kernels refused their arguments")
         return out
