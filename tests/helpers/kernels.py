@@ -23,3 +23,18 @@ def shared_kernels_home(tmp_path_factory) -> Path:
         mp.setenv("HOTSTART_HOME", str(home))
         cpu_kernels.build()
     return home
+
+
+def load_shared_kernels(tmp_path_factory, monkeypatch) -> None:
+    """Skip where the engine would serve with torch's ops (no compiler, no AVX2 + FMA); else point
+    HOTSTART_HOME at the shared home and load its library."""
+    import torch
+
+    from hotstart.model import cpu_kernels
+
+    if cpu_kernels.compiler() is None:
+        pytest.skip("no C++ compiler: the engine serves with the torch ops")
+    if not cpu_kernels.attention_supported(torch.float32):
+        pytest.skip("this CPU lacks AVX2 + FMA (the engine says so and serves with the torch ops)")
+    monkeypatch.setenv("HOTSTART_HOME", str(shared_kernels_home(tmp_path_factory)))
+    cpu_kernels.load(cpu_kernels.build())

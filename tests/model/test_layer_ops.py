@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers.engine import greedy_batch
-from helpers.kernels import shared_kernels_home
+from helpers.kernels import load_shared_kernels
 
 from hotstart.config import EngineConfig
 from hotstart.engine.core import EngineCore
@@ -25,12 +25,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 @pytest.fixture(autouse=True)
 def _library(tmp_path_factory, monkeypatch):
-    if cpu_kernels.compiler() is None:
-        pytest.skip("no C++ compiler: the engine serves with the torch ops")
-    if not cpu_kernels.attention_supported(torch.float32):
-        pytest.skip("this CPU lacks AVX2 + FMA (the engine says so and serves with the torch ops)")
-    monkeypatch.setenv("HOTSTART_HOME", str(shared_kernels_home(tmp_path_factory)))
-    cpu_kernels.load(cpu_kernels.build())
+    load_shared_kernels(tmp_path_factory, monkeypatch)
 
 
 def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:

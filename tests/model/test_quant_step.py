@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers.engine import greedy_batch
 from helpers.gguf import make
-from helpers.kernels import shared_kernels_home
+from helpers.kernels import load_shared_kernels
 
 from hotstart.config import EngineConfig
 from hotstart.engine.core import EngineCore
@@ -21,13 +21,8 @@ from hotstart.model import cpu_kernels, quant, quant_kernels, quant_step
 
 @pytest.fixture(autouse=True)
 def _library(tmp_path_factory, monkeypatch):
-    if cpu_kernels.compiler() is None:
-        pytest.skip("no C++ compiler: the engine serves with the torch ops")
-    if not cpu_kernels.attention_supported(torch.float32):
-        pytest.skip("this CPU lacks AVX2 + FMA (the engine says so and serves with the torch ops)")
-    monkeypatch.setenv("HOTSTART_HOME", str(shared_kernels_home(tmp_path_factory)))
     monkeypatch.delenv("HOTSTART_QUANT_KERNEL", raising=False)  # the suite's default keeps GGUF on torch
-    cpu_kernels.load(cpu_kernels.build())
+    load_shared_kernels(tmp_path_factory, monkeypatch)
     yield
     quant.set_kernel(None)  # the install registered the kernels: later tests of this worker get the default
 
