@@ -54,7 +54,7 @@ KERNELS = Path(__file__).with_name("kernels")
 SOURCES = [KERNELS / name for name in ("gemv.cpp", "decode_attention.cpp", "layer_ops.cpp", "tiles.cpp",
                                        "prefill_attention.cpp", "quant_unpack.cpp", "quant_matmul.cpp",
                                        "quant_vnni.cpp", "quant_tiles.cpp", "quant_avx2.cpp",
-                                       "quant_acts.cpp", "quant_step.cpp")]
+                                       "quant_acts.cpp", "quant_step.cpp", "quant_lanes.cpp")]
 MAX_ROWS = 4  # tokens per step up to which the kernel runs (measured above)
 TILE_MAX_ROWS = 48  # bf16: tokens per step up to which the tile kernel runs (docs/serving.md)
 # with the tile kernel's copy, the GEMV keeps steps of this many tokens only: in the engine (default model,

@@ -1,8 +1,8 @@
 """The quantized matmul kernels (hotstart/model/quant_kernels.py) against dequantize-then-matmul: every ggml
 type they take, weights from the gguf package's quantizer (or crafted random K-quant blocks), dequantized by
 the gguf package (its numpy reference); odd N and M, K across a segment boundary, steps of 1 - 4 and 5 - 65
-tokens, 1 and 2 threads, float32 and bf16 activations, each instruction set this host runs (AVX512-VNNI,
-AVX2, the portable C++) forced in turn.
+tokens, 1 and 2 threads, float32 and bf16 activations, each instruction set this host runs (AVX512-VNNI:
+the transposed tiles up to 7 tokens, the 16-token lanes from 8; AVX2; the portable C++) forced in turn.
 
 Two bounds per output (n, m), both in float64:
 - exact arithmetic: the kernels' integer dot products are exact, so against xq @ W^T (xq: x quantized as
@@ -75,7 +75,9 @@ def test_kernels_equal_dequantize_then_matmul(name):
                                  # a last pass of one token after 64 (AVX2: the one-token rows)
                                  *[(65, torch.float32, isa, 2) for isa in ISAS if isa == qk.AVX2],
                                  (48, torch.float32, ISAS[0], 2), (48, torch.bfloat16, ISAS[-1], 1),
-                                 # a step of 256 tokens (4 blocks of 64 over rows transposed once on
+                                 # the fewest tokens the 16-token lanes take on AVX512-VNNI (7: the tiles)
+                                 (8, torch.bfloat16, ISAS[0], 1), (7, torch.float32, ISAS[0], 2),
+                                 # a step of 256 tokens (4 blocks of 64 over rows unpacked once on
                                  # AVX512-VNNI), then one of 44
                                  (300, torch.bfloat16, ISAS[0], 2)]:
             torch.set_num_threads(t)

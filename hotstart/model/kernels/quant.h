@@ -94,6 +94,34 @@ void transpose_acts(int gs, int64_t M, int64_t Kp, const int8_t *q, const float 
                     const int32_t *n, int8_t *qt, float *dt, float *st, int32_t *nt);
 inline int gamma_of(int gs, int lane) { return gs == 32 ? 2 * (lane & 7) + (lane >> 3) : 4 * (lane & 3) + (lane >> 2); }
 
+// steps of 8+ tokens on AVX512-VNNI (quant_lanes.cpp): rows unpacked once each into u (their codes in
+// element order, K bytes) and s, o (one per group), then LANE_ROWS rows x 16 tokens per dot_l call: a
+// vector's lanes are 16 tokens (the activations laid out [dword][token] once per call, Acts::xl), each
+// dword of a row broadcast to them. LANE_ROWS = 8: 8 int32 sums + 8 float accumulators + 1 activation
+// vector + the broadcast dword and the scales (12 rows were no faster, and a chunk of 16 rows is two).
+constexpr int LANE_ROWS = 8, LANE_TOKENS = 16;
+struct LaneTile {
+    const uint8_t *u;  // rows' codes in element order, rs bytes apart
+    int64_t rs;
+    const float *s, *o;  // their groups' scales and offsets, ss floats apart
+    int64_t ss, groups;  // groups per row
+    const int32_t *x;    // 16 tokens' activations: [dword][16 tokens] (int8 x 4 per lane)
+    const float *dt, *st;  // [group][16 tokens]: d_a and d_a * sum(q)
+    const int32_t *nt;   // [group][16 tokens]: sum(q) (the folded offsets: offset_shift)
+    float *sums;         // sums[r * ldsum + t] = row r . token t, t < 16
+    int64_t ldsum;
+    const uint8_t *fetch;  // bytes to prefetch into L2 while the dots run (the next rows), or null
+    int64_t fetch_bytes;
+};
+using DotL = void (*)(int rows, int tokens, const LaneTile &a);  // tokens: how many of the 16 lanes count
+UnpackT unpack_l_for(int type);  // null for an unknown type
+DotL dot_l_for(int type);
+// q [M, Kp] -> xl [ceil(M / 16)][Kp / 4][16] int32 (tokens past M: 0); per group (of gs) d, s, n [M, Kp / gs]
+// -> dl, sl, nl [ceil(M / 16)][Kp / gs][16] (0 past M)
+void token_lanes(int64_t M, int64_t Kp, const int8_t *q, int32_t *xl);
+void token_lanes(int gs, int64_t M, int64_t Kp, const float *d, const float *s, const int32_t *n, float *dl,
+                 float *sl, int32_t *nl);
+
 // x quantized (quant_acts.cpp); K padded with zeros to Kp (a multiple of 512)
 struct Acts {
     int64_t M, Kp;
@@ -105,12 +133,16 @@ struct Acts {
     std::vector<int8_t> qn;  // [M, Kp] in nibble order (above), for 1-token rows of the 4- and 5-bit types
     std::vector<float> dt16, st16, dt32, st32;
     std::vector<int32_t> n16, n32, nt16, nt32;  // sum(q) per group of 16 / 32, and transposed likewise
+    // steps of 8+ tokens on AVX512-VNNI (quant_lanes.cpp): q and the groups' numbers, 16 tokens a vector
+    std::vector<int32_t> xl;
+    std::vector<float> dl16, sl16, dl32, sl32;
+    std::vector<int32_t> nl16, nl32;
     const float *d(int gs) const { return gs == 16 ? d16.data() : d32.data(); }
     const float *s(int gs) const { return gs == 16 ? s16.data() : s32.data(); }
 };
 
 // x [M, K] (xdtype 1 bf16, 2 float32) -> a; TILES bit 0 / 1: the transposed layouts of groups of 16 / 32,
-// bit 2: nibble order
+// bit 2: nibble order, bit 3 / 4: the token lanes of groups of 16 / 32 (and xl)
 void quantize_acts(const void *x, int xdtype, int64_t M, int64_t K, int isa, int tiles, Acts &a);
 
 inline float fp16_to_f32(uint16_t h) {  // IEEE half -> float, exactly (subnormals, inf, NaN)

@@ -2,7 +2,7 @@
 // 127, rounded to nearest even (the AVX-512 and the scalar versions give the same bytes), as llama.cpp's
 // vec_dot quantizes its activations; each group's d_a and d_a * sum(q) per group of 16 and of 32; and the
 // layouts some kernels read: nibble order (quant_vnni.cpp's 4- and 5-bit rows), each 16-group chunk
-// transposed (quant_tiles.cpp).
+// transposed (quant_tiles.cpp), 16 tokens a vector (quant_lanes.cpp).
 
 #include <math.h>
 #include <omp.h>
@@ -52,7 +52,7 @@ void quantize(const T *x, int64_t M, int64_t K, int isa, int tiles, Acts &a) {
     a.q.resize(M * a.Kp);
     for (auto *v : {&a.d16, &a.s16}) v->resize(M * a.Kp / 16);
     for (auto *v : {&a.d32, &a.s32}) v->resize(M * a.Kp / 32);
-    const bool sums = tiles & 3;  // the tiles' folded offsets read the integer sums
+    const bool sums = tiles & 27;  // the tiles' folded offsets read the integer sums
     if (sums) {
         a.n16.assign(M * a.Kp / 16, 0);
         a.n32.assign(M * a.Kp / 32, 0);
@@ -102,6 +102,21 @@ void quantize(const T *x, int64_t M, int64_t K, int isa, int tiles, Acts &a) {
         nt.resize(M * a.Kp / gs);
         transpose_acts(gs, M, a.Kp, a.q.data(), a.d(gs), a.s(gs), (gs == 16 ? a.n16 : a.n32).data(), qt.data(),
                        dt.data(), st.data(), nt.data());
+    }
+    if (tiles & 24) {  // 16 tokens a vector (quant_lanes.cpp)
+        a.xl.resize((M + LANE_TOKENS - 1) / LANE_TOKENS * a.Kp / 4 * LANE_TOKENS);
+        token_lanes(M, a.Kp, a.q.data(), a.xl.data());
+    }
+    for (int gs : {16, 32}) {
+        if (!(tiles & (gs == 16 ? 8 : 16))) continue;
+        std::vector<float> &dl = gs == 16 ? a.dl16 : a.dl32, &sl = gs == 16 ? a.sl16 : a.sl32;
+        std::vector<int32_t> &nl = gs == 16 ? a.nl16 : a.nl32;
+        const int64_t size = (M + LANE_TOKENS - 1) / LANE_TOKENS * (a.Kp / gs) * LANE_TOKENS;
+        dl.resize(size);
+        sl.resize(size);
+        nl.resize(size);
+        token_lanes(gs, M, a.Kp, a.d(gs), a.s(gs), (gs == 16 ? a.n16 : a.n32).data(), dl.data(), sl.data(),
+                    nl.data());
     }
 }
 

@@ -2,9 +2,10 @@
 //
 // x is quantized once per call (quant_acts.cpp). Each thread then takes chunks of rows, one sequential
 // stream of blocks per thread, and per block of TOKEN_BLOCK tokens:
-//   AVX512-VNNI: one token, a row at a time in registers (quant_vnni.cpp); 2+ tokens, rows transposed
+//   AVX512-VNNI: one token, a row at a time in registers (quant_vnni.cpp); 2-7 tokens, rows transposed
 //     once per call (each chunk's rows for all its tokens), 4 rows x 3 tokens per register tile
-//     (quant_tiles.cpp);
+//     (quant_tiles.cpp); 8+ tokens, rows unpacked in element order once per call, 8 rows x 16 tokens
+//     per register tile, the tokens in a vector's lanes (quant_lanes.cpp);
 //   AVX2, one token: a row at a time in registers (quant_avx2.cpp);
 //   AVX2 (2+ tokens) and portable: a segment of a row unpacked into quant.h's one form (in L1), then
 //     multiplied with up to 4 tokens per pass (their accumulators in registers). AVX2: vpmaddubsw + vpmaddwd, 32
@@ -25,6 +26,10 @@ namespace {
 
 constexpr int64_t CHUNK = 16;        // rows per unit of parallel work
 constexpr int64_t TOKEN_BLOCK = 64;  // tokens per pass over a chunk's weights (their int8 rows in L2)
+// steps of this many tokens or more take the token lanes (quant_lanes.cpp), fewer the transposed tiles
+// (quant_tiles.cpp): measured alternating the two on a 7B's shapes, the lanes took 0.71-0.84x the tiles'
+// time at 16 tokens, 0.73-0.82x at 64 and 256, about the same at 8, 1.2-1.9x at 2-5 (lanes they leave empty)
+constexpr int64_t LANE_MIN = 8;
 // a longer step is multiplied STEP_BLOCK tokens at a time, each a call of its own: its quantized x stays
 // within L3 while every chunk of rows passes over it (a 2,048-token prefill's x for a 7B's down
 // projection is 39 MB, streamed from memory for every 16 rows: 7B layers at 2,048 tokens ran ~16 % slower
@@ -127,8 +132,10 @@ struct Weight {
     RowVnni vnni;  // AVX512-VNNI: the row in registers instead of unpack + dot (1 token)
     RowVnni avx2;  // AVX2: likewise for a pass of 1 token (quant_avx2.cpp)
     bool nibbles;  // vnni takes x in nibble order (quant.h)
-    UnpackT unpack_t;  // and for 2+ tokens, transposed once (quant_tiles.cpp)
+    UnpackT unpack_t;  // and for 2-7 tokens, transposed once (quant_tiles.cpp)
     DotT dot_t;
+    UnpackT unpack_l;  // 8+ tokens: in element order, 16 tokens a vector (quant_lanes.cpp)
+    DotL dot_l;
 };
 
 struct Scratch {  // a thread's: one segment for unpack + dot, a chunk's rows transposed for the tiles
@@ -137,12 +144,14 @@ struct Scratch {  // a thread's: one segment for unpack + dot, a chunk's rows tr
     std::vector<float> s, o;
 };
 
-// steps of 2+ tokens on AVX512-VNNI: rows from .. to transposed into scratch, row n at n - base
+// steps of 2+ tokens on AVX512-VNNI: rows from .. to unpacked into scratch (transposed, or for the token
+// lanes in element order), row n at n - base
 void unpack_rows(const Weight &W, int64_t from, int64_t to, int64_t base, const Acts &a, int64_t K,
-                 Scratch &scratch) {
+                 Scratch &scratch, bool lanes) {
+    const UnpackT unpack = lanes ? W.unpack_l : W.unpack_t;
     for (int64_t n = from; n < to; n++)
-        W.unpack_t(W.w + n * W.ldw, K, scratch.u.data() + (n - base) * a.Kp,
-                   scratch.s.data() + (n - base) * (a.Kp / 16), scratch.o.data() + (n - base) * (a.Kp / 16));
+        unpack(W.w + n * W.ldw, K, scratch.u.data() + (n - base) * a.Kp,
+               scratch.s.data() + (n - base) * (a.Kp / 16), scratch.o.data() + (n - base) * (a.Kp / 16));
 }
 
 // rows n0 .. n1 (one chunk) times tokens m0 .. m1 (2+), TILE_R rows x TILE_MM tokens per call
@@ -162,7 +171,7 @@ void tile_rows(const Weight &W, int64_t n0, int64_t n1, const Acts &a, int64_t m
     for (int64_t r0 = n0; r0 < n1; r0 += TILE_R) {
         const int nr = n1 - r0 < TILE_R ? (int)(n1 - r0) : TILE_R;
         const int64_t base = unpacked ? n0 : r0;  // scratch's first row
-        if (!unpacked) unpack_rows(W, r0, r0 + nr, base, a, K, scratch);
+        if (!unpacked) unpack_rows(W, r0, r0 + nr, base, a, K, scratch, false);
         tile.u = scratch.u.data() + (r0 - base) * tile.rs;
         tile.s = scratch.s.data() + (r0 - base) * tile.ss, tile.o = scratch.o.data() + (r0 - base) * tile.ss;
         for (int r = 0; r < nr; r++)
@@ -189,6 +198,46 @@ void tile_rows(const Weight &W, int64_t n0, int64_t n1, const Acts &a, int64_t m
             }
             tile.sums = &sums[0][m - m0];
             W.dot_t(nr, mm, tile);
+        }
+        for (int r = 0; r < nr; r++)
+            for (int64_t m = m0; m < m1; m++) out[m * ldo + W.col + r0 + r] = sums[r][m - m0];
+    }
+}
+
+// rows n0 .. n1 (one chunk) times tokens m0 .. m1 (m0 a multiple of 16) in 16-token lanes, LANE_ROWS rows
+// per call (quant_lanes.cpp): out[m, col + n]; unpacked as for tile_rows
+void lane_rows(const Weight &W, int64_t n0, int64_t n1, const Acts &a, int64_t m0, int64_t m1, int64_t K, float *out,
+               int64_t ldo, Scratch &scratch, bool unpacked) {
+    const int gs = W.in.group;
+    const int64_t G = a.Kp / gs;  // groups per token
+    alignas(64) float sums[LANE_ROWS][TOKEN_BLOCK];
+    LaneTile tile;
+    tile.rs = a.Kp, tile.ss = a.Kp / 16, tile.groups = K / gs, tile.ldsum = TOKEN_BLOCK;
+    const float *dl = (gs == 16 ? a.dl16 : a.dl32).data(), *sl = (gs == 16 ? a.sl16 : a.sl32).data();
+    const int32_t *nl = (gs == 16 ? a.nl16 : a.nl32).data();
+    const int64_t vectors = (m1 - m0 + LANE_TOKENS - 1) / LANE_TOKENS;
+    for (int64_t r0 = n0; r0 < n1; r0 += LANE_ROWS) {
+        const int nr = n1 - r0 < LANE_ROWS ? (int)(n1 - r0) : LANE_ROWS;
+        const int64_t base = unpacked ? n0 : r0;  // scratch's first row
+        if (!unpacked) unpack_rows(W, r0, r0 + nr, base, a, K, scratch, true);
+        tile.u = scratch.u.data() + (r0 - base) * tile.rs;
+        tile.s = scratch.s.data() + (r0 - base) * tile.ss, tile.o = scratch.o.data() + (r0 - base) * tile.ss;
+        // the next rows fetched into L2 while this tile's dots run, a share per call spread over its groups
+        // (a burst of them before one call of a 16-token step was mostly lost: 9 against 11 GB/s)
+        const uint8_t *fetch = W.w + (r0 + nr) * W.ldw;
+        const uint8_t *fetched = W.w + (r0 + nr + LANE_ROWS < W.n ? r0 + nr + LANE_ROWS : W.n) * W.ldw;
+        const int64_t share = (fetched - fetch) / vectors + 64;  // bytes per call
+        for (int64_t m = m0; m < m1; m += LANE_TOKENS) {
+            tile.fetch = fetch;
+            tile.fetch_bytes = unpacked ? 0 : fetched - fetch < share ? fetched - fetch : share;
+            fetch += tile.fetch_bytes;
+            const int64_t b = m / LANE_TOKENS;  // the activations' block of 16 tokens
+            tile.x = a.xl.data() + b * (a.Kp / 4) * LANE_TOKENS;
+            tile.dt = dl + b * G * LANE_TOKENS;
+            tile.st = sl + b * G * LANE_TOKENS;
+            tile.nt = nl + b * G * LANE_TOKENS;
+            tile.sums = &sums[0][m - m0];
+            W.dot_l(nr, m1 - m < LANE_TOKENS ? (int)(m1 - m) : LANE_TOKENS, tile);
         }
         for (int r = 0; r < nr; r++)
             for (int64_t m = m0; m < m1; m++) out[m * ldo + W.col + r0 + r] = sums[r][m - m0];
@@ -277,13 +326,18 @@ int hs_quant_matmul(int isa, int xdtype, const void *x, int64_t M, int64_t K, in
         if (W[i].vnni && W[i].nibbles && M % TOKEN_BLOCK == 1) tiles |= 4;  // a 1-token pass needs x so
         W[i].unpack_t = isa == AVX512_VNNI ? unpack_t_for(types[i]) : nullptr;
         W[i].dot_t = dot_t_for(types[i]);
+        W[i].unpack_l = isa == AVX512_VNNI ? unpack_l_for(types[i]) : nullptr;
+        W[i].dot_l = dot_l_for(types[i]);
         if (W[i].in.group == 16)
             dots<16, false>(isa, W[i].dot);
         else if (W[i].in.wide)
             dots<32, true>(isa, W[i].dot);
         else
             dots<32, false>(isa, W[i].dot);
-        if (isa == AVX512_VNNI && M >= 2) tiles |= W[i].in.group == 16 ? 1 : 2;
+        if (isa == AVX512_VNNI && M >= LANE_MIN)
+            tiles |= W[i].in.group == 16 ? 8 : 16;
+        else if (isa == AVX512_VNNI && M >= 2)
+            tiles |= W[i].in.group == 16 ? 1 : 2;
         col += ns[i];
         chunks += (ns[i] + CHUNK - 1) / CHUNK;
     }
@@ -293,10 +347,10 @@ int hs_quant_matmul(int isa, int xdtype, const void *x, int64_t M, int64_t K, in
 #pragma omp parallel
     {
         Scratch scratch;
-        const bool tiled = isa == AVX512_VNNI && M >= 2;
+        const bool tiled = isa == AVX512_VNNI && M >= 2, lanes = isa == AVX512_VNNI && M >= LANE_MIN;
         const bool once = tiled && M > TOKEN_BLOCK;  // a chunk's rows unpacked once for its blocks of tokens
         if (tiled) {  // a chunk's rows (once), else a tile's
-            const int64_t held = once ? CHUNK : TILE_R;
+            const int64_t held = once ? CHUNK : lanes ? LANE_ROWS : TILE_R;
             scratch.u.resize(held * acts.Kp);
             scratch.s.resize(held * acts.Kp / 16);
             scratch.o.resize(held * acts.Kp / 16);
@@ -305,10 +359,12 @@ int hs_quant_matmul(int isa, int xdtype, const void *x, int64_t M, int64_t K, in
             int64_t i = 0, first = c;  // chunk c is the first-th chunk of weight i
             while (first >= (W[i].n + CHUNK - 1) / CHUNK) first -= (W[i].n + CHUNK - 1) / CHUNK, i++;
             const int64_t n0 = first * CHUNK, n1 = n0 + CHUNK < W[i].n ? n0 + CHUNK : W[i].n;
-            if (once) unpack_rows(W[i], n0, n1, n0, acts, K, scratch);
+            if (once) unpack_rows(W[i], n0, n1, n0, acts, K, scratch, lanes);
             for (int64_t m0 = 0; m0 < M; m0 += TOKEN_BLOCK) {
                 const int64_t m1 = M - m0 < TOKEN_BLOCK ? M : m0 + TOKEN_BLOCK;
-                if (tiled && m1 - m0 >= 2)
+                if (lanes)
+                    lane_rows(W[i], n0, n1, acts, m0, m1, K, out, ldo, scratch, once);
+                else if (tiled && m1 - m0 >= 2)
                     tile_rows(W[i], n0, n1, acts, m0, m1, K, out, ldo, scratch, once);
                 else  // one token (a last block of 1): the row in registers
                     rows(W[i], n0, n1, acts, m0, m1, K, out, ldo, scratch);

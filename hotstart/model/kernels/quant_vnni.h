@@ -8,7 +8,7 @@
 
 namespace hsq {
 
-#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx512vbmi,f16c")))
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx512vbmi,f16c,fma")))
 #define VNNI_INLINE VNNI inline __attribute__((always_inline))  // per vector / chunk: no call in the loop
 
 VNNI_INLINE __m512i both_halves(const void *p) {  // 32 bytes at P in each half: a broadcast load (no shuffle)
