@@ -329,7 +329,7 @@ int hs_quant_matmul(int isa, int xdtype, const void *x, int64_t M, int64_t K, in
         W[i].vnni = isa == AVX512_VNNI ? row_vnni_for(types[i]) : nullptr;
         W[i].avx2 = isa == AVX2 ? row_avx2_for(types[i]) : nullptr;
         W[i].nibbles = nibble_order(types[i]);
-        if (W[i].vnni && W[i].nibbles && M % TOKEN_BLOCK == 1) tiles |= 4;  // a 1-token pass needs x so
+        if (W[i].vnni && W[i].nibbles && M % TOKEN_BLOCK == 1 && M < LANE_MIN) tiles |= 4;  // a 1-token pass needs x so
         W[i].unpack_t = isa == AVX512_VNNI ? unpack_t_for(types[i]) : nullptr;
         W[i].dot_t = dot_t_for(types[i]);
         W[i].unpack_l = isa == AVX512_VNNI ? unpack_l_for(types[i]) : nullptr;
