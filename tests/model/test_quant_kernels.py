@@ -90,6 +90,22 @@ def test_kernels_equal_dequantize_then_matmul(name):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("name", list(TYPES))
+def test_one_token_over_long_rows(name):
+    """Rows past 8,192 elements: one token takes them two at a time on AVX512-VNNI (x read once for both;
+    the 4- and 5-bit block types one at a time) with the weights fetched into L2 only; an odd row count
+    leaves one row alone. Each ISA, both bounds."""
+    rng = np.random.default_rng(100 + TYPES[name])
+    k, n = 8448, 19  # 33 super-blocks; a chunk of 16 rows and one of 3
+    w = random_weight(name, n, k, rng)
+    w_deq = dequantize(w, name)
+    for isa in ISAS:
+        x = (torch.randn(1, k, dtype=torch.float32) * torch.rand(1, k) * 4).to(torch.bfloat16)
+        out = qk.matmul(x, [(torch.from_numpy(w), TYPES[name])], isa)
+        assert out is not None and out.shape == (1, n)
+        assert _check(out, x, w_deq) < 5e-4, (name, isa)
+
+
 def test_several_weights_side_by_side():
     """q / k / v of a Q4_K_M file: one call, three weights of two types, outputs side by side, as separate
     calls give them; the contract's hook (x, w, type) is one of them."""

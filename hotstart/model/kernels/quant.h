@@ -59,6 +59,10 @@ Unpack unpack_for(int type, int isa);  // quant_unpack.cpp; null for an unknown 
 // type's size), all zero-padded to a multiple of 512 elements
 using RowVnni = float (*)(const uint8_t *row, int64_t K, const int8_t *q, const float *da, const float *sa);
 RowVnni row_vnni_for(int type);  // null for an unknown type
+// two rows of K at once, x loaded once for both (rows longer than fit L1 with their x): out[0], out[1]
+using RowsVnni = void (*)(const uint8_t *r0, const uint8_t *r1, int64_t K, const int8_t *q, const float *da,
+                          const float *sa, float *out);
+RowsVnni rows2_vnni_for(int type);  // null where a type takes one row at a time
 RowVnni row_avx2_for(int type);  // AVX2, the same for one token, x in its own order (quant_avx2.cpp)
 // nibble order: per 4 blocks of 32, elements 0-15 of each block, then elements 16-31 of each
 inline bool nibble_order(int type) { return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1; }

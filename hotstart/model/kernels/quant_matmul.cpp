@@ -130,6 +130,7 @@ struct Weight {
     Unpack unpack;
     Dot dot[MAX_MM];
     RowVnni vnni;  // AVX512-VNNI: the row in registers instead of unpack + dot (1 token)
+    RowsVnni vnni2;  // and two rows at once (rows longer than LONG_ROW)
     RowVnni avx2;  // AVX2: likewise for a pass of 1 token (quant_avx2.cpp)
     bool nibbles;  // vnni takes x in nibble order (quant.h)
     UnpackT unpack_t;  // and for 2-7 tokens, transposed once (quant_tiles.cpp)
@@ -259,7 +260,16 @@ void rows(const Weight &W, int64_t n0, int64_t n1, const Acts &a, int64_t m0, in
     const int gs = W.in.group;
     const int64_t G = a.Kp / gs;  // groups per token
     float sums[TOKEN_BLOCK];
-    for (int64_t n = n0; n < n1; n++) {
+    int64_t n = n0;
+    if (W.vnni2 && m1 - m0 == 1 && K > LONG_ROW)  // one token, long rows: two at a time, x read once for both
+        for (; n + 1 < n1; n += 2) {
+            float two[2];
+            W.vnni2(W.w + n * W.ldw, W.w + (n + 1) * W.ldw, K, a.q.data() + m0 * a.Kp, a.d(gs) + m0 * G,
+                    a.s(gs) + m0 * G, two);
+            out[m0 * ldo + W.col + n] = two[0];
+            out[m0 * ldo + W.col + n + 1] = two[1];
+        }
+    for (; n < n1; n++) {
         const uint8_t *row = W.w + n * W.ldw;
         for (int64_t m = m0; m < m1; m++) sums[m - m0] = 0.0f;
         const bool one = W.avx2 && m1 - m0 == 1;  // AVX2, one token: the row in registers
@@ -327,6 +337,7 @@ int hs_quant_matmul(int isa, int xdtype, const void *x, int64_t M, int64_t K, in
         if (!info(types[i], W[i].in) || K % W[i].in.block != 0 || ns[i] < 0) return -1;
         W[i].unpack = unpack_for(types[i], isa);
         W[i].vnni = isa == AVX512_VNNI ? row_vnni_for(types[i]) : nullptr;
+        W[i].vnni2 = isa == AVX512_VNNI ? rows2_vnni_for(types[i]) : nullptr;
         W[i].avx2 = isa == AVX2 ? row_avx2_for(types[i]) : nullptr;
         W[i].nibbles = nibble_order(types[i]);
         if (W[i].vnni && W[i].nibbles && M % TOKEN_BLOCK == 1 && M < LANE_MIN) tiles |= 4;  // a 1-token pass needs x so

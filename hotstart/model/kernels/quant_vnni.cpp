@@ -18,6 +18,17 @@ namespace {
 // end it is dropped). The hardware's streamers alone left a decode step's long rows (K = 18944) at 13-16
 // GB/s on 2 threads; with it 19-22, and the 7B Q4_K_M's step went from 206 to 164 ms (docs/serving.md)
 constexpr int64_t PREFETCH_BYTES = 2048;
+// into L1, or for rows longer than this into L2 only: a row's x past ~8K elements (and its groups' d_a,
+// d_a sum(q)) no longer fits L1 beside the weights fetched into it, and is read back from L2 for every row
+// (K = 18944 streamed at 16-18 GB/s, 26-29 with x made L1-sized; weights fetched into L2 only: 0.82-0.94x
+// the time there, but 1.2-1.3x at K = 3584, where x stays in L1 either way)
+constexpr int64_t L1_ROW = 8192;
+VNNI_INLINE void prefetch(const char *p, int64_t K) {
+    if (K > L1_ROW)
+        _mm_prefetch(p, _MM_HINT_T1);
+    else
+        _mm_prefetch(p, _MM_HINT_T0);
+}
 
 // LANE[v][l]: the group among 16 that lane l of vector v holds (GS 32: 2 per vector, GS 16: 4)
 alignas(64) const int32_t LANE32[8][16] = {{0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1},
@@ -30,35 +41,57 @@ alignas(64) const int32_t LANE16[4][16] = {{0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 
     {4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7}, {8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11},
     {12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15}};
 
-template <int T>
-VNNI float row(const uint8_t *r, int64_t K, const int8_t *q, const float *da, const float *sa) {
+// R rows of the same length at once (R = 2: long rows, rows2 below): each vector of x loaded once for them
+template <int T, int R>
+VNNI void rows_of(const uint8_t *const *r, int64_t K, const int8_t *q, const float *da, const float *sa, float *out) {
     constexpr int GS = T == Q6_K ? 16 : 32, PER = 16 * GS / 64;  // vectors per 16 groups
     const int64_t groups = K / GS;
-    __m512 acc = _mm512_setzero_ps(), acc2 = _mm512_setzero_ps();  // two chains: the fma's latency
+    __m512 acc[R], acc2[R];  // two chains per row: the fma's latency
+    for (int i = 0; i < R; i++) acc[i] = acc2[i] = _mm512_setzero_ps();
     Info in;
     info(T, in);
     const int64_t chunk_bytes = 16 * GS / in.block * in.bytes;  // 16 groups' blocks
     for (int64_t c = 0; c * 16 < groups; c++) {
         const int valid = groups - c * 16 < 16 ? (int)(groups - c * 16) : 16;
-        for (int64_t p = 0; p < chunk_bytes; p += 64)  // PREFETCH_BYTES ahead: past a row's end, the next row
-            _mm_prefetch((const char *)r + (c * chunk_bytes + PREFETCH_BYTES + p), _MM_HINT_T0);
-        __m512 s, o;
-        scales<T>(r, c, valid, s, o);
-        const __m512 scale = _mm512_mul_ps(s, _mm512_loadu_ps(da + c * 16));
-        acc = _mm512_fmadd_ps(o, _mm512_loadu_ps(sa + c * 16), acc);
+        __m512 scale[R];
+        for (int i = 0; i < R; i++) {
+            for (int64_t p = 0; p < chunk_bytes; p += 64)  // PREFETCH_BYTES ahead: past a row's end, the next row
+                prefetch((const char *)r[i] + (c * chunk_bytes + PREFETCH_BYTES + p), K);
+            __m512 s, o;
+            scales<T>(r[i], c, valid, s, o);
+            scale[i] = _mm512_mul_ps(s, _mm512_loadu_ps(da + c * 16));
+            acc[i] = _mm512_fmadd_ps(o, _mm512_loadu_ps(sa + c * 16), acc[i]);
+        }
         const int vs = (valid * GS + 63) / 64;
         for (int v = 0; v < vs && v < PER; v++) {
-            const __m512i u = codes<T>(r, c, v, GS == 32 && 2 * v + 1 >= valid);
+            const __m512i x = _mm512_loadu_si512(q + c * 16 * GS + 64 * v);
             const __m512i idx = _mm512_load_si512(GS == 32 ? LANE32[v] : LANE16[v]);
-            const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(q + c * 16 * GS + 64 * v));
-            const __m512 y = _mm512_cvtepi32_ps(dot), sv = _mm512_permutexvar_ps(idx, scale);
-            if (v & 1)
-                acc2 = _mm512_fmadd_ps(y, sv, acc2);
-            else
-                acc = _mm512_fmadd_ps(y, sv, acc);
+            for (int i = 0; i < R; i++) {
+                const __m512i u = codes<T>(r[i], c, v, GS == 32 && 2 * v + 1 >= valid);
+                const __m512 y = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x));
+                const __m512 sv = _mm512_permutexvar_ps(idx, scale[i]);
+                if (v & 1)
+                    acc2[i] = _mm512_fmadd_ps(y, sv, acc2[i]);
+                else
+                    acc[i] = _mm512_fmadd_ps(y, sv, acc[i]);
+            }
         }
     }
-    return _mm512_reduce_add_ps(_mm512_add_ps(acc, acc2));
+    for (int i = 0; i < R; i++) out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i], acc2[i]));
+}
+
+template <int T>
+VNNI float row(const uint8_t *r, int64_t K, const int8_t *q, const float *da, const float *sa) {
+    float out;
+    rows_of<T, 1>(&r, K, q, da, sa, &out);
+    return out;
+}
+
+template <int T>
+VNNI void rows2(const uint8_t *r0, const uint8_t *r1, int64_t K, const int8_t *q, const float *da, const float *sa,
+                float *out) {
+    const uint8_t *r[2] = {r0, r1};
+    rows_of<T, 2>(r, K, q, da, sa, out);
 }
 
 // Q4_0, Q4_1, Q5_0, Q5_1, four blocks at a time: their 64 bytes of nibbles picked out of the blocks by one
@@ -79,7 +112,7 @@ VNNI float row_nibbles(const uint8_t *r, int64_t K, const int8_t *q, const float
     for (int64_t c = 0; c * 16 < blocks; c++) {
         const int valid = blocks - c * 16 < 16 ? (int)(blocks - c * 16) : 16;
         for (int64_t p = 0; p < 16 * in.bytes; p += 64)
-            _mm_prefetch((const char *)r + (c * 16 * in.bytes + PREFETCH_BYTES + p), _MM_HINT_T0);
+            prefetch((const char *)r + (c * 16 * in.bytes + PREFETCH_BYTES + p), K);
         __m512 s, o;
         scales<T>(r, c, valid, s, o);
         const __m512 scale = _mm512_mul_ps(s, _mm512_loadu_ps(da + c * 16));
@@ -118,6 +151,16 @@ VNNI float row_nibbles(const uint8_t *r, int64_t K, const int8_t *q, const float
 }
 
 }  // namespace
+
+RowsVnni rows2_vnni_for(int type) {
+    switch (type) {
+        case Q8_0: return rows2<Q8_0>;
+        case Q4_K: return rows2<Q4_K>;
+        case Q5_K: return rows2<Q5_K>;
+        case Q6_K: return rows2<Q6_K>;
+        default: return nullptr;  // the 4- and 5-bit block types: one row at a time (row_nibbles)
+    }
+}
 
 RowVnni row_vnni_for(int type) {
     switch (type) {
