@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import gc
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 PR_SET_PDEATHSIG = 1
 POLL_S = 0.01
@@ -205,3 +207,19 @@ def exit_requested() -> int | None:
     Python ran an importlib lock callback or a finaliser, it is only printed ("Exception ignored in")
     and startup carries on. Whoever takes the signals over next acts on it (server/launch.py)."""
     return _exit_signal
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """A start's imports and loads without the cyclic garbage collector, and what they built frozen out of
+    its sight afterwards (gc.freeze; a fork then starts with nothing old to traverse). Imports grow the heap
+    by ~170K long-lived objects, and the collector's passes over it, one each time it grew by a quarter,
+    took 0.12 s of the forkserver's 1.4 s preload and 0.03 s of the API process's 0.33 s web stack."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if enabled:
+            gc.enable()

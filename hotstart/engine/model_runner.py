@@ -188,9 +188,16 @@ class ModelRunner:
         """Write DATA [n, layers, 2, KVH, block size, D] (read_blocks' layout) into BLOCKS."""
         self._zero_up_to(max(blocks))
         bs = self.block_size
-        if self.device.type == "cpu":  # each block's slots straight from DATA: no permuted copy
-            for i, b in enumerate(blocks):
-                self.kv_cache[:, :, :, b * bs:(b + 1) * bs].copy_(data[i])
+        if self.device.type == "cpu":  # straight from DATA, one copy per run of consecutive blocks (a
+            i = 0  # preload's or a restore's fresh blocks come in order: one op, not one per block)
+            while i < len(blocks):
+                j = i + 1
+                while j < len(blocks) and blocks[j] == blocks[j - 1] + 1:
+                    j += 1
+                b = blocks[i]
+                run = data[i:j].permute(1, 2, 3, 0, 4, 5)  # [layers, 2, KVH, n, bs, D]
+                self.kv_cache[:, :, :, b * bs:(b + j - i) * bs].unflatten(3, (j - i, bs)).copy_(run)
+                i = j
             return
         slots = (torch.tensor(blocks)[:, None] * bs + torch.arange(bs)).flatten().to(self.device)
         kv = data.to(self.device, self.kv_cache.dtype).permute(1, 2, 3, 0, 4, 5)

@@ -16,6 +16,7 @@ import time
 
 T_START = time.time()
 
+import gc  # noqa: E402
 import os  # noqa: E402
 import select  # noqa: E402
 import signal  # noqa: E402
@@ -35,7 +36,7 @@ from hotstart.messages import (  # noqa: E402
     StopServer,
     ToForkserver,
 )
-from hotstart.procs import die_with_parent, terminate_then_kill  # noqa: E402
+from hotstart.procs import collector_paused, die_with_parent, terminate_then_kill  # noqa: E402
 
 KILL_GRACE_S = 2.0
 SEND_TIMEOUT_S = 5.0  # a client that reads nothing for this long while we write to it is dropped
@@ -89,6 +90,10 @@ class ForkServer:
     def _spawn(self, conn: socket.socket, msg) -> None:
         sys.stdout.flush()  # or the child would write our buffered output a second time
         sys.stderr.flush()
+        # what the preload built (torch and the engine's modules: ~170K objects) out of the collector's
+        # sight: an engine's first full collection traversed it all, 0.1 s on its critical path (and a
+        # copy-on-write fault for each page of objects it wrote to)
+        gc.freeze()
         for rank in range(msg.world_size):
             start = time.time()
             pid = os.fork()
@@ -233,12 +238,20 @@ class ForkServer:
             self._terminate(list(self.children))
 
 
+def preload():
+    """Import torch and the whole engine (the collector paused: procs.collector_paused); the engine's
+    worker module."""
+    with collector_paused():
+        from hotstart.engine import worker  # noqa: PLC0415 - the preload
+    return worker
+
+
 def main() -> None:
     # Before the heavy preload: if the API process dies while torch imports, so do we.
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the API process, which stops us
     die_with_parent(signal.SIGKILL)
     conn = socket.socket(fileno=int(sys.argv[1]))
-    from hotstart.engine import worker  # noqa: PLC0415 - the preload: torch and the whole engine
+    worker = preload()
 
     server = ForkServer(
         Span("forkserver up (torch + engine imported)", T_START, time.time(), "forkserver"), worker

@@ -40,6 +40,7 @@ from hotstart.forkserver import keep as keeping  # noqa: E402
 from hotstart.forkserver.checks import changed, stamps, validate  # noqa: E402
 from hotstart.forkserver.runtime import hotstart_dir, import_env, peer_problem  # noqa: E402
 from hotstart.forkserver.server import ForkServer  # noqa: E402
+from hotstart.forkserver.server import preload as preload_engine  # noqa: E402
 from hotstart.messages import (  # noqa: E402
     EngineContext,
     KeptModel,
@@ -292,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
     if lock_fd is None:
         log(f"hotstart: zygote: another zygote holds {args.lock}; exiting")
         os._exit(3)
-    from hotstart.engine import worker  # noqa: PLC0415 - the preload: torch and the whole engine
+    worker = preload_engine()
 
     preload = Span("zygote up (torch + engine imported)", T_START, time.time(), "zygote")
     kept = keeping.keep([(m, fs) for m, fs in json.loads(args.keep_json)], log)

@@ -16,6 +16,7 @@ server/multi_launch.py.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 
@@ -23,6 +24,7 @@ from hotstart import logs
 from hotstart.boot.timeline import Timeline
 from hotstart.config import EngineConfig, ServeConfig
 from hotstart.forkserver.client import EngineLauncher
+from hotstart.procs import collector_paused
 
 log = logging.getLogger("hotstart")
 
@@ -54,6 +56,8 @@ def run_serve(args: argparse.Namespace, cfg: ServeConfig, t0: float, launcher: E
     start = EngineStart(timeline, launcher, lambda **derived: EngineConfig.from_args(args, **derived),
                         prefetch=cfg, imports=imports, auto_restart=cfg.restart,
                         ranks=getattr(args, "tensor_parallel_size", 1))
+    paused = contextlib.ExitStack()  # the collector, until the socket is bound
+    paused.enter_context(collector_paused())
     try:
         start.begin(spec.spec if spec else None, args.revision)
         model, client = start.model, start.client
@@ -95,8 +99,10 @@ def run_serve(args: argparse.Namespace, cfg: ServeConfig, t0: float, launcher: E
         start.spawn_serial()  # the serial way: a fresh interpreter, once the API is otherwise ready
         import asyncio  # noqa: PLC0415
 
+        paused.close()
         return asyncio.run(serve(app, sock, client, cfg, start.prefetcher, imports, metrics_sock))
     finally:
+        paused.close()
         start.close()  # in-flight chunks of a download end; what is written is kept for the next start
         launcher.shutdown()  # no-op after a clean serve; bounded otherwise
         if cfg.startup_trace:

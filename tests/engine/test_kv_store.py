@@ -14,6 +14,7 @@ import pytest
 
 from hotstart.config import EngineConfig
 from hotstart.engine.block_manager import block_hash
+from hotstart.engine import kv_store
 from hotstart.engine.core import EngineCore
 from hotstart.messages import EngineRequest
 from hotstart.model import kv_files
@@ -150,10 +151,11 @@ def test_a_gguf_models_prefixes_survive_a_restart_and_not_a_rewrite(tmp_path, kv
     assert kv_files.snapshot_key(path, [path]) != key
 
 
-def test_a_new_engine_preloads_the_most_recent_prefixes_from_its_start(tiny_checkpoint, kv_dir):
-    """A restarted engine reads the most recently used block files from the store's opening on, and tick()
-    copies them in between steps: the first request finds its whole prefix in memory (no hold, no read of
-    its own), and its output is the one computed without the store. The reads pause while requests run."""
+def test_a_new_engine_preloads_the_most_recent_prefixes_once_idle(tiny_checkpoint, kv_dir):
+    """A restarted engine reads the most recently used block files once it has idled PRELOAD_START_S (its
+    first requests have the cores before), and idle ticks copy them in between steps: a request then finds
+    its whole prefix in memory (no hold, no read of its own), and its output is the one computed without
+    the store. The reads pause while requests run."""
     import threading  # noqa: PLC0415
 
     path = tiny_checkpoint("qwen2")
@@ -162,7 +164,10 @@ def test_a_new_engine_preloads_the_most_recent_prefixes_from_its_start(tiny_chec
     run(first)
     files = written(first)
     again = engine(path)
-    assert again.store.preloading and again.store.preloaded == 0  # read, not copied in before a tick
+    time.sleep(kv_store.PRELOAD_START_S + 0.1)
+    assert again.store._preload.empty()  # nothing read before the engine idled (ticks) that long
+    again.store.tick(False)  # a step: not copied in, not started
+    assert again.store.preloading and again.store.preloaded == 0
     deadline = time.monotonic() + 30
     while again.store.preloading and time.monotonic() < deadline:
         again.store.tick(True)
@@ -189,6 +194,47 @@ def test_a_new_engine_preloads_the_most_recent_prefixes_from_its_start(tiny_chec
     assert not reader.is_alive() and not store._preload.empty()
     again.store.close()
     store.close()
+
+
+def test_a_request_copies_in_only_the_preloaded_batches_holding_its_blocks(tiny_checkpoint, kv_dir,
+                                                                           monkeypatch):
+    """Batches the preload read before a request came are copied in by its hold() only where they hold
+    its blocks (the rest waits for idle ticks), and its output is the one computed without the store."""
+    path = tiny_checkpoint("qwen2")
+    other = [random.Random(1).randrange(3, 250) for _ in range(83)]
+    cold = run(engine(path, disk="0"))
+    first = engine(path)
+    run(first)
+    run(first, other)
+    files = written(first)
+    assert len(files) == 10
+    monkeypatch.setattr(kv_store, "PRELOAD_BATCH_BYTES", 1)  # a batch per block
+    again = engine(path)
+    store = again.store
+    store._started.set()
+    deadline = time.monotonic() + 30
+    while store._preload.qsize() < 10 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    same(run(again), cold)
+    assert store.preloaded == 5 and store.restored == 0 and store.preloading  # its 5 blocks, from batches
+    assert again.stats().prefix_cache_hits == 80
+    while store.preloading and time.monotonic() < deadline:
+        store.tick(True)
+    assert store.preloaded == 10 and again.blocks.num_cached >= 10
+    store.close()
+
+
+def test_blocks_written_in_runs_and_alone_read_back_the_same(tiny_checkpoint, kv_dir):
+    """write_blocks copies a run of consecutive blocks in one op and the rest one by one: read_blocks gives
+    back every block's bytes, wherever it landed."""
+    import torch  # noqa: PLC0415
+
+    runner = engine(tiny_checkpoint("qwen2"), disk="0").runner
+    ids = [5, 6, 7, 10, 3, 4]
+    data = torch.randn(len(ids), *runner.read_blocks([1]).shape[1:])
+    runner.write_blocks(ids, data)
+    assert torch.equal(runner.read_blocks(ids), data)
+    assert torch.equal(runner.read_blocks([8, 9]), torch.zeros(2, *data.shape[1:]))  # zeroed, not written
 
 
 def test_blocks_read_side_by_side_are_copied_in_from_their_buffer(tiny_checkpoint, kv_dir):

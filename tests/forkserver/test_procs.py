@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
+import textwrap
 import time
 
 from hotstart.procs import alive, descendants, group_pids, terminate_then_kill, tree, wait_gone
@@ -68,3 +70,29 @@ def test_wait_gone_wakes_on_the_exit_and_returns_what_outlives_the_timeout():
         slow.kill()
         slow.wait(5)
         quick.wait(5)
+
+
+def test_a_start_runs_without_the_collector_and_freezes_what_it_built():
+    """collector_paused(): the collector is off inside, back on after (left off where it was off), and what
+    was built inside is frozen; the forkserver's preload (torch and the engine) runs that way, so an engine
+    forked from it starts with nothing old for a full collection to traverse."""
+    code = textwrap.dedent("""
+        import gc
+        from hotstart.procs import collector_paused
+        with collector_paused():
+            assert not gc.isenabled()
+            kept = [[i] for i in range(5000)]
+        assert gc.isenabled() and gc.get_freeze_count() >= 5000, gc.get_freeze_count()
+        gc.disable()
+        with collector_paused():
+            pass
+        assert not gc.isenabled()
+        gc.enable()
+        gc.unfreeze()
+        from hotstart.forkserver.server import preload
+        preload()
+        assert gc.isenabled() and gc.get_freeze_count() > 50000, gc.get_freeze_count()
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
