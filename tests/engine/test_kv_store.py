@@ -13,8 +13,8 @@ import time
 import pytest
 
 from hotstart.config import EngineConfig
-from hotstart.engine.block_manager import block_hash
 from hotstart.engine import kv_store
+from hotstart.engine.block_manager import block_hash
 from hotstart.engine.core import EngineCore
 from hotstart.messages import EngineRequest
 from hotstart.model import kv_files
@@ -151,11 +151,11 @@ def test_a_gguf_models_prefixes_survive_a_restart_and_not_a_rewrite(tmp_path, kv
     assert kv_files.snapshot_key(path, [path]) != key
 
 
-def test_a_new_engine_preloads_the_most_recent_prefixes_once_idle(tiny_checkpoint, kv_dir):
-    """A restarted engine reads the most recently used block files once it has idled PRELOAD_START_S (its
-    first requests have the cores before), and idle ticks copy them in between steps: a request then finds
-    its whole prefix in memory (no hold, no read of its own), and its output is the one computed without
-    the store. The reads pause while requests run."""
+def test_a_new_engine_preloads_the_most_recent_prefixes_from_its_start(tiny_checkpoint, kv_dir):
+    """A restarted engine reads the most recently used block files from the store's opening on, and idle
+    ticks copy them in between steps (a busy one copies none): the first request finds its whole prefix in
+    memory (no hold, no read of its own), and its output is the one computed without the store. The reads
+    pause while requests run."""
     import threading  # noqa: PLC0415
 
     path = tiny_checkpoint("qwen2")
@@ -164,11 +164,12 @@ def test_a_new_engine_preloads_the_most_recent_prefixes_once_idle(tiny_checkpoin
     run(first)
     files = written(first)
     again = engine(path)
-    time.sleep(kv_store.PRELOAD_START_S + 0.1)
-    assert again.store._preload.empty()  # nothing read before the engine idled (ticks) that long
-    again.store.tick(False)  # a step: not copied in, not started
-    assert again.store.preloading and again.store.preloaded == 0
+    assert again.store.preloading and again.store.preloaded == 0  # read, not copied in before a tick
     deadline = time.monotonic() + 30
+    while again.store._preload.empty() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    again.store.tick(False)  # busy (a tick after a step): a batch read, none copied in
+    assert again.store.preloaded == 0
     while again.store.preloading and time.monotonic() < deadline:
         again.store.tick(True)
         time.sleep(0.01)
@@ -211,7 +212,6 @@ def test_a_request_copies_in_only_the_preloaded_batches_holding_its_blocks(tiny_
     monkeypatch.setattr(kv_store, "PRELOAD_BATCH_BYTES", 1)  # a batch per block
     again = engine(path)
     store = again.store
-    store._started.set()
     deadline = time.monotonic() + 30
     while store._preload.qsize() < 10 and time.monotonic() < deadline:
         time.sleep(0.01)
