@@ -90,9 +90,11 @@ class ForkServer:
     def _spawn(self, conn: socket.socket, msg) -> None:
         sys.stdout.flush()  # or the child would write our buffered output a second time
         sys.stderr.flush()
-        # what the preload built (torch and the engine's modules: ~170K objects) out of the collector's
-        # sight: an engine's first full collection traversed it all, 0.1 s on its critical path (and a
-        # copy-on-write fault for each page of objects it wrote to)
+        # what the preload built (torch and the engine's modules: ~170K objects) is frozen (preload()): an
+        # engine's first full collection traversed it all, 0.1 s on its critical path (and a copy-on-write
+        # fault for each page of objects it wrote to). What this server built since joins it, its garbage
+        # collected first (a long-lived zygote forks many times: none of it kept for good; ~0.1 ms)
+        gc.collect()
         gc.freeze()
         for rank in range(msg.world_size):
             start = time.time()
