@@ -177,9 +177,7 @@ class PrefixStore:
             self._take_read()
             need = {h for h in hashes if h not in blocks._cached}  # noqa: SLF001
             for entry in [e for e in self._read_batches if e[0] & need]:
-                self._read_batches.remove(entry)
-                self._preload_left -= 1
-                self._copy_preloaded(entry[1])
+                self._copy_read(entry)
         chain, wanted = [], []
         for h in hashes:
             if h not in blocks._cached:  # noqa: SLF001
@@ -251,9 +249,14 @@ class PrefixStore:
         self._take_read()
         if not self._read_batches:
             return False
-        self._preload_left -= 1
-        self._copy_preloaded(self._read_batches.pop(0)[1])
+        self._copy_read(self._read_batches[0])
         return True
+
+    def _copy_read(self, entry: tuple[set[bytes], tuple]) -> None:
+        """Copy in ENTRY, one of _read_batches, and drop it from them."""
+        self._read_batches.remove(entry)
+        self._preload_left -= 1
+        self._copy_preloaded(entry[1])
 
     def _copy_preloaded(self, batch: tuple[list[tuple[bytes, memoryview]], memoryview | None]) -> None:
         """Copy a batch read into free KV blocks (never in use, never evicting a cached block: only while
